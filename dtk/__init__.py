@@ -1,0 +1,32 @@
+"""dtk: a DTensor-first SPMD training toolkit for TensorFlow and tf_keras (Keras 2).
+
+Importing dtk first puts DTensor's parity-safe settings in force (see ``dtk/_env.py``): it must happen
+before TensorFlow traces anything, so dtk sets them here, before importing TensorFlow.
+"""
+
+from dtk import _env
+
+_env.apply_safe_defaults()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from dtk._version import __version__
+from dtk.mesh import (
+    BATCH_AXIS,
+    MODEL_AXIS,
+    MeshSpec,
+    build_mesh,
+    configure_virtual_cpus,
+    describe_mesh,
+    parse_mesh_spec,
+)
+
+__all__ = [
+    "__version__",
+    "BATCH_AXIS",
+    "MODEL_AXIS",
+    "MeshSpec",
+    "build_mesh",
+    "configure_virtual_cpus",
+    "describe_mesh",
+    "parse_mesh_spec",
+]

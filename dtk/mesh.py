@@ -1,0 +1,320 @@
+"""Meshes: from a spec such as ``"batch=4,model=2"`` to a ``tf.experimental.dtensor.Mesh``.
+
+A mesh is a named, ordered grid of devices. Axis order is the order the user wrote: ``batch=4,model=2``
+puts device ids ``[[0, 1], [2, 3], [4, 5], [6, 7]]`` on ``(batch, model)``, so devices 0 and 1 hold
+the same batch shard and different model shards.
+
+Everything that can be checked is checked here, before DTensor sees it, because DTensor reports bad
+meshes as low-level errors (or hangs, in multi-client runs). Single-client and multi-client runs use
+the same call: when ``DTENSOR_JOBS`` is set, the mesh spans every client and each client owns its
+local devices (``dtensor.create_distributed_mesh``).
+
+Example::
+
+    mesh = dtk.build_mesh("batch=4,model=2", device_type="cpu", virtual_devices=8)
+    print(dtk.describe_mesh(mesh))
+    # mesh batch=4,model=2: 8 CPU devices, 1 client, 8 local devices (CPU:0-7)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Union
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context as _context
+
+BATCH_AXIS = "batch"
+MODEL_AXIS = "model"
+DEVICE_TYPES = ("auto", "cpu", "gpu", "tpu")
+
+_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+MeshSpecLike = Union[str, Mapping[str, int], "MeshSpec"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """An ordered list of (axis name, axis size) pairs, validated.
+
+    Attributes:
+      axes: ``(("batch", 4), ("model", 2))`` for ``"batch=4,model=2"``.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={size}" for name, size in self.axes)
+
+
+def parse_mesh_spec(spec: MeshSpecLike) -> MeshSpec:
+    """Parses ``"batch=4,model=2"`` or an ordered mapping into a validated ``MeshSpec``.
+
+    Args:
+      spec: a string of comma-separated ``axis=size`` items, a mapping of axis name to size (its
+        order is the axis order), or a ``MeshSpec``.
+
+    Returns:
+      The ``MeshSpec``, axes in the order given.
+
+    Raises:
+      ValueError: the spec is empty, an item is not ``name=size``, a name is not an identifier, a
+        size is not a positive integer, or an axis appears twice.
+    """
+    if isinstance(spec, MeshSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+        text = ",".join(f"{k}={v}" for k, v in items)
+    elif isinstance(spec, str):
+        text = spec.strip()
+        items = []
+        for raw in text.split(",") if text else []:
+            item = raw.strip()
+            if item.count("=") != 1:
+                raise ValueError(
+                    f"mesh spec {spec!r}: item {item!r} is not of the form axis=size; "
+                    "write for example 'batch=8' or 'batch=4,model=2'")
+            name, size = (s.strip() for s in item.split("="))
+            items.append((name, size))
+    else:
+        raise TypeError(
+            f"mesh spec must be a string like 'batch=4,model=2' or a mapping of axis name to size; "
+            f"got {type(spec).__name__}: {spec!r}")
+    if not items:
+        raise ValueError(
+            f"mesh spec {spec!r} is empty; give at least one axis, e.g. 'batch=8'")
+
+    axes = []
+    for name, size in items:
+        if not _AXIS_NAME.match(name):
+            raise ValueError(
+                f"mesh spec {text!r}: axis name {name!r} is not a valid name; use letters, digits and "
+                "'_' starting with a letter, e.g. 'batch=8'")
+        if isinstance(size, bool):
+            size_int = None
+        elif isinstance(size, int):
+            size_int = size
+        else:
+            try:
+                size_int = int(str(size))
+            except ValueError:
+                size_int = None
+        if size_int is None:
+            raise ValueError(
+                f"mesh spec {text!r}: size of axis {name!r} is {str(size)!r}, not an integer; "
+                f"write e.g. '{name}=8'")
+        if size_int <= 0:
+            raise ValueError(
+                f"mesh spec {text!r}: axis {name!r} has size {size_int}; sizes must be positive "
+                "integers (use 1 for an axis you do not shard over)")
+        if name in (a for a, _ in axes):
+            raise ValueError(
+                f"mesh spec {text!r}: axis {name!r} appears twice; each axis name must be unique")
+        axes.append((name, size_int))
+    return MeshSpec(axes=tuple(axes))
+
+
+def is_tensorflow_initialized() -> bool:
+    """True once TensorFlow has created its devices (after that, virtual CPUs cannot be added)."""
+    return bool(_context.context()._initialized)  # pylint: disable=protected-access
+
+
+def configure_virtual_cpus(n: int) -> None:
+    """Splits the host CPU into ``n`` logical devices, so a CPU-only machine can hold an n-device mesh.
+
+    Must run before TensorFlow initializes its devices (before the first op or tensor). Calling it
+    again with the count already in force is a no-op.
+
+    Raises:
+      ValueError: ``n`` is not positive, or TensorFlow is already initialized with another count.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"virtual_devices must be a positive integer; got {n!r}")
+    if is_tensorflow_initialized():
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == n:
+            return
+        raise ValueError(
+            f"virtual_devices={n} was requested, but TensorFlow is already initialized with {have} "
+            "CPU device(s) and cannot change that in this process. Build the mesh (or call "
+            "dtk.configure_virtual_cpus) before any TensorFlow op runs, e.g. at the top of your "
+            "script, or start a new process")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def is_multi_client() -> bool:
+    """True when ``DTENSOR_JOBS`` names the clients of a multi-client run."""
+    return bool(os.environ.get("DTENSOR_JOBS", "").strip())
+
+
+def num_clients() -> int:
+    """The number of DTensor clients (processes) in this run; 1 without ``DTENSOR_JOBS``."""
+    jobs = os.environ.get("DTENSOR_JOBS", "").strip()
+    return len([j for j in jobs.split(",") if j.strip()]) if jobs else 1
+
+
+def client_id() -> int:
+    """This process's client id (``DTENSOR_CLIENT_ID``, 0 when unset)."""
+    return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
+
+
+def resolve_device_type(device_type: str = "auto") -> str:
+    """Maps ``auto|cpu|gpu|tpu`` to DTensor's upper-case device type (auto: TPU > GPU > CPU).
+
+    Raises:
+      ValueError: unknown device type.
+    """
+    if not isinstance(device_type, str) or device_type.lower() not in DEVICE_TYPES:
+        raise ValueError(
+            f"device_type {device_type!r} is not one of {', '.join(DEVICE_TYPES)}")
+    kind = device_type.lower()
+    if kind == "auto":
+        for candidate in ("TPU", "GPU"):
+            if tf.config.list_physical_devices(candidate):
+                return candidate
+        return "CPU"
+    return kind.upper()
+
+
+def _initialize(device_type: str, local_needed: int, virtual_devices: int | None) -> None:
+    """Configures devices (and the multi-client cluster) once per process, before TF initializes."""
+    if _dtensor_initialized():
+        if virtual_devices is not None and device_type == "CPU":
+            configure_virtual_cpus(virtual_devices)  # no-op if equal, clear error otherwise
+        return
+    if is_tensorflow_initialized():
+        if virtual_devices is not None and device_type == "CPU":
+            configure_virtual_cpus(virtual_devices)
+        if is_multi_client():
+            raise ValueError(
+                "a multi-client mesh (DTENSOR_JOBS is set) must be built before TensorFlow "
+                "initializes its devices, and TensorFlow is already initialized in this process. "
+                "Call dtk.build_mesh before any TensorFlow op runs")
+        return  # single client: use the devices that exist
+    num_cpus = None
+    if device_type == "CPU":
+        if virtual_devices is not None:
+            num_cpus = virtual_devices
+        else:
+            have = len(tf.config.get_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0]) or [None])
+            num_cpus = max(have, local_needed)
+    dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+
+
+def _dtensor_initialized() -> bool:
+    from tensorflow.dtensor.python import accelerator_util  # pylint: disable=g-import-not-at-top
+    return accelerator_util.is_initialized()
+
+
+def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
+               virtual_devices: int | None = None) -> dtensor.Mesh:
+    """Builds a DTensor mesh for ``spec`` on this process's (or every client's) devices.
+
+    On CPU, virtual devices are created when ``virtual_devices`` is given, or when the mesh needs more
+    CPU devices than exist and TensorFlow has not initialized yet. On GPU and TPU the accelerator
+    system is initialized as DTensor requires. In a multi-client run (``DTENSOR_JOBS`` set), the
+    mesh spans all clients; each client holds ``num_devices / num_clients`` local devices.
+
+    A mesh smaller than the devices available uses the first ones; ``describe_mesh`` says so.
+
+    Args:
+      spec: ``"batch=8"``, ``"batch=4,model=2"``, an ordered mapping, or a ``MeshSpec``.
+      device_type: ``auto`` (TPU > GPU > CPU), ``cpu``, ``gpu`` or ``tpu``.
+      virtual_devices: on CPU, the number of logical CPU devices per client to create.
+
+    Returns:
+      The ``dtensor.Mesh``.
+
+    Raises:
+      ValueError: a bad spec or device type, a mesh larger than the devices available, a mesh not
+        divisible across clients, or virtual devices requested after TensorFlow initialized.
+    """
+    mesh_spec = parse_mesh_spec(spec)
+    kind = resolve_device_type(device_type)
+    if virtual_devices is not None and kind != "CPU":
+        raise ValueError(
+            f"virtual_devices={virtual_devices} only applies to CPU meshes; device type is {kind}. "
+            "Drop virtual_devices or use device_type='cpu'")
+    clients = num_clients()
+    if mesh_spec.num_devices % clients:
+        raise ValueError(
+            f"mesh {mesh_spec} has {mesh_spec.num_devices} devices, which do not divide evenly over "
+            f"{clients} clients (DTENSOR_JOBS); use a mesh whose size is a multiple of {clients}")
+    local_needed = mesh_spec.num_devices // clients
+    _initialize(kind, local_needed, virtual_devices)
+
+    available = len(tf.config.list_logical_devices(kind))
+    if local_needed > available:
+        where = f"per client ({clients} clients)" if clients > 1 else "in this process"
+        fix = (f"pass virtual_devices={local_needed} (--virtual_devices) before TensorFlow initializes"
+               if kind == "CPU" else f"use a mesh of at most {available * clients} devices")
+        raise ValueError(
+            f"mesh {mesh_spec} needs {mesh_spec.num_devices} devices ({local_needed} {where}), but "
+            f"only {available} {kind} device(s) exist {where}; {fix}")
+    local_devices = [f"{kind}:{i}" for i in range(local_needed)]
+    if clients > 1:
+        return dtensor.create_distributed_mesh(
+            list(mesh_spec.axes), local_devices=local_devices, device_type=kind)
+    return dtensor.create_mesh(list(mesh_spec.axes), devices=local_devices, device_type=kind)
+
+
+def mesh_axis_sizes(mesh: dtensor.Mesh) -> dict[str, int]:
+    """``{"batch": 4, "model": 2}`` for a mesh built from ``"batch=4,model=2"`` (ordered)."""
+    return {name: mesh.dim_size(name) for name in mesh.dim_names}
+
+
+def _ranges(indices: list[int]) -> str:
+    """Compresses ``[0, 1, 2, 5]`` into ``"0-2,5"``."""
+    parts, start, prev = [], None, None
+    for i in indices + [None]:
+        if start is None:
+            start = prev = i
+        elif i is not None and i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = i
+    return ",".join(parts)
+
+
+def describe_mesh(mesh: dtensor.Mesh) -> str:
+    """One line for logs: axes and sizes, device type, clients, this client's local devices.
+
+    Example: ``mesh batch=4,model=2: 8 CPU devices, 1 client, 8 local devices (CPU:0-7)``; a mesh
+    that uses fewer devices than exist adds ``; uses 4 of 8 local CPU devices``.
+    """
+    kind = mesh.device_type()
+    axes = ",".join(f"{n}={s}" for n, s in mesh_axis_sizes(mesh).items())
+    clients = num_clients()
+    local = [tf.DeviceSpec.from_string(d).device_index for d in mesh.local_devices()]
+    line = (f"mesh {axes}: {mesh.size} {kind} devices, {clients} client{'s' if clients > 1 else ''}"
+            f", {len(local)} local devices ({kind}:{_ranges(sorted(local))})")
+    if clients > 1:
+        line += f", this is client {client_id()}"
+    available = len(tf.config.list_logical_devices(kind))
+    if len(local) < available:
+        line += f"; uses {len(local)} of {available} local {kind} devices"
+    return line

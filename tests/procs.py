@@ -1,0 +1,67 @@
+"""Helpers for tests that need fresh processes: virtual devices and DTensor setup are per process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base_env(**overrides: str) -> dict[str, str]:
+    """The current environment without DTensor client variables, plus ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_")}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.update(overrides)
+    return env
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120,
+               args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Runs ``python -c code`` in a fresh process with a timeout; returns the completed process."""
+    return subprocess.run([sys.executable, "-c", code, *args], env=env or base_env(),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_clients(code: str, num_clients: int, *, timeout: float = 180,
+                extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs ``code`` as ``num_clients`` DTensor clients on loopback; kills all at the timeout."""
+    ports = free_ports(num_clients)
+    jobs = ",".join(f"localhost:{p}" for p in ports)
+    procs = []
+    for i in range(num_clients):
+        env = base_env(DTENSOR_JOBS=jobs, DTENSOR_CLIENT_ID=str(i), DTENSOR_JOB_NAME="worker",
+                       **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
