@@ -10,6 +10,8 @@ _env.apply_safe_defaults()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from dtk._version import __version__
+from dtk import models
+from dtk.checkpoint import Checkpointer, export, gather_weights, global_value
 from dtk.mesh import (
     BATCH_AXIS,
     MODEL_AXIS,
@@ -19,14 +21,30 @@ from dtk.mesh import (
     describe_mesh,
     parse_mesh_spec,
 )
+from dtk.optimizers import make_loss, make_metrics, make_optimizer
+from dtk.steps import StepConfig, Steps
+from dtk.trainer import History, Trainer, TrainerConfig
 
 __all__ = [
     "__version__",
     "BATCH_AXIS",
     "MODEL_AXIS",
+    "Checkpointer",
+    "History",
     "MeshSpec",
+    "StepConfig",
+    "Steps",
+    "Trainer",
+    "TrainerConfig",
     "build_mesh",
     "configure_virtual_cpus",
     "describe_mesh",
+    "export",
+    "gather_weights",
+    "global_value",
+    "make_loss",
+    "make_metrics",
+    "make_optimizer",
+    "models",
     "parse_mesh_spec",
 ]

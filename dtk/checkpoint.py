@@ -1,0 +1,168 @@
+"""Checkpoints (save, resume, restore into another mesh) and export to plain Keras / SavedModel.
+
+A dtk checkpoint holds the model's weights, the optimizer's state (slots, iteration count), the
+running metric states (so a run stopped mid-epoch resumes with the same epoch averages) and a small
+JSON record of the loop's position (epoch, batch in epoch, history). It is a
+``tf.train.Checkpoint`` driven by a ``tf.train.CheckpointManager``:
+
+* Atomic: the data files of a new checkpoint are written first; the ``checkpoint`` state file that
+  names the latest one is replaced atomically afterwards. A crash mid-save leaves the previous
+  checkpoint as the latest, and restore uses it.
+* Mesh-independent: values are saved as global tensors, so a checkpoint from ``batch=8`` restores
+  into ``batch=4,model=2`` (and into a plain, single-device model).
+* Multi-client: every client must call ``save`` with the same shared directory (DTensor writes each
+  client's shards); saving from one client only "succeeds" and then fails to restore.
+
+Export: DTensor models cannot be saved as ``.keras`` files, so ``export`` copies the global weights
+into a plain twin built by the same model factory, and writes that as a ``.keras`` file and a
+SavedModel for serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk import mesh as mesh_lib
+
+
+class _JsonState(tf.train.experimental.PythonState):
+    """Loop position and history, saved inside the checkpoint (so both are written atomically)."""
+
+    def __init__(self):
+        self.value: dict[str, Any] = {}
+
+    def serialize(self) -> str:
+        return json.dumps(self.value)
+
+    def deserialize(self, string_value) -> None:
+        raw = string_value.numpy() if hasattr(string_value, "numpy") else string_value
+        self.value = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+class Checkpointer:
+    """Saves and restores a model, its optimizer, metrics and the loop state under ``directory``.
+
+    Args:
+      directory: where checkpoints go (shared by all clients in a multi-client run).
+      model: the (laid-out) model.
+      optimizer: its optimizer, built (``optimizer.build(vars)``) so slots restore before step one.
+      metrics: metric objects whose running state is saved too.
+      max_to_keep: how many checkpoints to keep.
+    """
+
+    def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
+                 metrics: Sequence[Any] = (), max_to_keep: int = 3):
+        if not directory:
+            raise ValueError("checkpoint directory is empty; give a path")
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1; got {max_to_keep}")
+        self.directory = os.fspath(directory)
+        self._state = _JsonState()
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                               metrics=list(metrics), loop=self._state)
+        self._manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
+                                                   max_to_keep=max_to_keep)
+
+    @property
+    def latest(self) -> str | None:
+        """Path prefix of the newest complete checkpoint, or None."""
+        return self._manager.latest_checkpoint
+
+    def save(self, state: dict[str, Any], *, step: int) -> str:
+        """Writes a checkpoint numbered ``step`` with the JSON-serializable loop ``state``."""
+        self._state.value = dict(state)
+        return self._manager.save(checkpoint_number=step)
+
+    def restore(self, path: str | None = None) -> dict[str, Any] | None:
+        """Restores ``path`` (default: the latest); returns the loop state, or None if none exists.
+
+        Raises:
+          ValueError: the checkpoint does not match the model (another architecture, missing or
+            extra variables, other shapes), naming the checkpoint and what did not match.
+        """
+        path = path or self.latest
+        if path is None:
+            return None
+        try:
+            status = self._checkpoint.restore(path)
+            status.assert_existing_objects_matched()
+            status.assert_consumed()
+        except (AssertionError, ValueError, tf.errors.OpError) as e:
+            raise ValueError(
+                f"checkpoint {path} does not match this model and optimizer: {_first_line(e)}. "
+                "It was written by another model (or another optimizer); use a new checkpoint "
+                "directory or the model that wrote it") from e
+        return dict(self._state.value)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:500] if text else type(e).__name__
+
+
+def global_value(tensor: Any) -> np.ndarray:
+    """The full (global) value of a DTensor or DVariable as numpy, on any layout and any client.
+
+    Sharded tensors are relayouted to replicated first (``get_weights()`` fails on sharded
+    variables), then this client's first component holds the whole value.
+    """
+    layout = dtensor.fetch_layout(tensor)
+    if layout is None:
+        return np.asarray(tensor)
+    replicated = dtensor.Layout.replicated(layout.mesh, layout.rank)
+    value = tensor.read_value() if hasattr(tensor, "read_value") else tensor
+    if not layout.is_fully_replicated():
+        value = dtensor.relayout(value, replicated)
+    return dtensor.unpack(value)[0].numpy()
+
+
+def gather_weights(model: tf_keras.Model) -> list[np.ndarray]:
+    """``model.get_weights()`` for a laid-out model: every weight's global value, in order."""
+    return [global_value(w) for w in model.weights]
+
+
+def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model]
+               ) -> tf_keras.Model:
+    """A plain (non-DTensor) twin of ``model`` built by ``model_factory``, with its weights.
+
+    Raises:
+      ValueError: the factory builds a model whose weights differ in number or shape.
+    """
+    twin = model_factory()
+    values = gather_weights(model)
+    if len(twin.weights) != len(values) or any(
+            tuple(w.shape) != v.shape for w, v in zip(twin.weights, values)):
+        raise ValueError(
+            "model_factory builds a model whose weights do not match the trained model's: "
+            f"{[tuple(w.shape) for w in twin.weights]} vs {[v.shape for v in values]}; pass the "
+            "factory that built the trained model")
+    twin.set_weights(values)
+    return twin
+
+
+def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
+           export_dir: str) -> dict[str, str]:
+    """Writes ``model.keras`` (plain tf_keras) and ``saved_model/`` (for serving) under export_dir.
+
+    In a multi-client run only client 0 writes (every client holds the same global weights), but
+    every client must call this, because gathering the weights is a collective.
+
+    Returns:
+      ``{"keras": path, "saved_model": path}``.
+    """
+    twin = plain_copy(model, model_factory)
+    paths = {"keras": os.path.join(export_dir, "model.keras"),
+             "saved_model": os.path.join(export_dir, "saved_model")}
+    if mesh_lib.client_id() == 0:
+        os.makedirs(export_dir, exist_ok=True)
+        twin.save(paths["keras"])
+        tf.saved_model.save(twin, paths["saved_model"])
+    return paths

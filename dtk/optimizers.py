@@ -1,0 +1,171 @@
+"""Mesh-bound optimizers, metrics and losses: made by name or checked when given as instances.
+
+Why: an optimizer or a metric that is not bound to the mesh (created without ``mesh=``) runs without
+error under DTensor and gives wrong numbers (dtensor-notes, trap 3: accuracy 0.017 instead of 0.094
+on the same predictions). ``tf_keras.optimizers.legacy.*`` cannot be bound at all. So dtk creates
+these objects itself, bound to the mesh, or refuses an instance that is not.
+
+Example::
+
+    opt = dtk.make_optimizer("adam", mesh, learning_rate=1e-3)
+    metrics = dtk.make_metrics(["accuracy"], mesh)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import tf_keras
+from tensorflow.experimental import dtensor
+
+OPTIMIZERS: dict[str, str] = {
+    "sgd": "SGD",
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "rmsprop": "RMSprop",
+    "adagrad": "Adagrad",
+    "adadelta": "Adadelta",
+    "adamax": "Adamax",
+    "ftrl": "Ftrl",
+    "lion": "Lion",
+    "adafactor": "Adafactor",
+}
+# Optimizers that run under DTensor but do not match single-device training (dtensor-notes).
+_UNSUPPORTED_OPTIMIZERS = {
+    "nadam": "it keeps a plain tf.Variable (its momentum-decay product) that DTensor does not "
+             "replicate, so its updates differ from single-device training by up to 0.4",
+}
+
+METRICS: dict[str, str] = {
+    "accuracy": "SparseCategoricalAccuracy",
+    "sparse_categorical_accuracy": "SparseCategoricalAccuracy",
+    "top5": "SparseTopKCategoricalAccuracy",
+    "sparse_top_k_categorical_accuracy": "SparseTopKCategoricalAccuracy",
+    "sparse_categorical_crossentropy": "SparseCategoricalCrossentropy",
+}
+
+LOSSES: dict[str, Callable[[], tf_keras.losses.Loss]] = {
+    "sparse_categorical_crossentropy": lambda: tf_keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True),
+    "categorical_crossentropy": lambda: tf_keras.losses.CategoricalCrossentropy(from_logits=True),
+    "binary_crossentropy": lambda: tf_keras.losses.BinaryCrossentropy(from_logits=True),
+    "mse": tf_keras.losses.MeanSquaredError,
+    "mean_squared_error": tf_keras.losses.MeanSquaredError,
+    "mae": tf_keras.losses.MeanAbsoluteError,
+}
+
+OptimizerLike = Union[str, tf_keras.optimizers.Optimizer]
+MetricLike = Union[str, tf_keras.metrics.Metric]
+
+
+def _same_mesh(a: Any, mesh: dtensor.Mesh) -> bool:
+    return a is not None and (a is mesh or a == mesh)
+
+
+def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
+                   ) -> tf_keras.optimizers.Optimizer:
+    """Returns an optimizer bound to ``mesh``: made from a name, or checked if given as an instance.
+
+    Args:
+      optimizer: a name (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ``adagrad``, ...) or an instance
+        of a non-legacy ``tf_keras.optimizers.Optimizer`` created with ``mesh=mesh``.
+      mesh: the mesh the model's weights live on.
+      **kwargs: constructor arguments for a named optimizer (``learning_rate``, ``momentum``,
+        ``clipnorm``, ``global_clipnorm``, ``weight_decay`` ...). ``None`` values are dropped.
+
+    Raises:
+      ValueError: an unknown or unsupported name, a legacy optimizer, an instance not bound to the
+        mesh, or kwargs given together with an instance.
+    """
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if isinstance(optimizer, str):
+        key = optimizer.strip().lower()
+        if key in _UNSUPPORTED_OPTIMIZERS:
+            raise ValueError(f"optimizer {optimizer!r} is not supported under DTensor: "
+                             f"{_UNSUPPORTED_OPTIMIZERS[key]}; use 'adam' or 'adamw'")
+        if key not in OPTIMIZERS:
+            raise ValueError(f"optimizer {optimizer!r} is unknown; choose one of "
+                             f"{', '.join(sorted(OPTIMIZERS))}, or pass an instance created with "
+                             "mesh=mesh")
+        cls = getattr(tf_keras.optimizers, OPTIMIZERS[key])
+        try:
+            return cls(mesh=mesh, **kwargs)
+        except TypeError as e:
+            raise ValueError(f"optimizer {optimizer!r}: bad arguments {kwargs}: {e}") from e
+    if kwargs:
+        raise ValueError(f"optimizer arguments {sorted(kwargs)} only apply to an optimizer given by "
+                         f"name; {type(optimizer).__name__} is already constructed")
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        raise ValueError(
+            f"optimizer {type(optimizer).__name__} is a legacy tf_keras optimizer, which cannot be "
+            "bound to a DTensor mesh (it rejects mesh=); use tf_keras.optimizers."
+            f"{type(optimizer).__name__}(mesh=mesh, ...) or pass its name")
+    if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
+        raise ValueError(f"optimizer must be a name or a tf_keras.optimizers.Optimizer; got "
+                         f"{type(optimizer).__name__}")
+    if type(optimizer).__name__.lower() in _UNSUPPORTED_OPTIMIZERS:
+        raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DTensor: "
+                         f"{_UNSUPPORTED_OPTIMIZERS[type(optimizer).__name__.lower()]}")
+    if not _same_mesh(getattr(optimizer, "_mesh", None), mesh):
+        raise ValueError(
+            f"optimizer {type(optimizer).__name__} is not bound to the mesh: without mesh= it runs "
+            "under DTensor but computes wrong updates. Create it with "
+            f"tf_keras.optimizers.{type(optimizer).__name__}(mesh=mesh, ...) or pass its name")
+    return optimizer
+
+
+def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metric:
+    """Returns a metric bound to ``mesh`` (see ``make_optimizer`` for why)."""
+    if isinstance(metric, str):
+        key = metric.strip().lower()
+        class_name = METRICS.get(key)
+        if class_name is None and hasattr(tf_keras.metrics, metric):
+            class_name = metric
+        if class_name is None:
+            raise ValueError(f"metric {metric!r} is unknown; use one of {', '.join(sorted(METRICS))} "
+                             "or a tf_keras.metrics class name, or pass an instance created with "
+                             "mesh=mesh")
+        name = key if key in METRICS else None
+        return getattr(tf_keras.metrics, class_name)(mesh=mesh, name=name)
+    if not isinstance(metric, tf_keras.metrics.Metric):
+        raise ValueError(f"metric must be a name or a tf_keras.metrics.Metric; got "
+                         f"{type(metric).__name__}")
+    if not _same_mesh(getattr(metric, "_mesh", None), mesh):
+        raise ValueError(
+            f"metric {metric.name!r} ({type(metric).__name__}) is not bound to the mesh: without "
+            "mesh= it runs under DTensor but reports wrong values. Create it with "
+            f"tf_keras.metrics.{type(metric).__name__}(mesh=mesh) or pass its name")
+    return metric
+
+
+def make_metrics(metrics: Sequence[MetricLike], mesh: dtensor.Mesh) -> list[tf_keras.metrics.Metric]:
+    """``make_metric`` for each; names must be unique, since they key the logs."""
+    made = [make_metric(m, mesh) for m in metrics]
+    names = [m.name for m in made]
+    duplicates = sorted({n for n in names if names.count(n) > 1} | ({"loss"} & set(names)))
+    if duplicates:
+        raise ValueError(f"metric names {duplicates} are repeated (or 'loss', which dtk reports "
+                         "itself); give each metric a unique name")
+    return made
+
+
+def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
+    """Returns a function ``(labels, predictions) -> per-example losses [B]``.
+
+    dtk reduces per-example losses itself (weighted by the pad mask, divided by the global count of
+    real examples), so a ``tf_keras.losses.Loss`` is called without its own reduction. Named losses
+    expect logits (``from_logits=True``), as dtk's reference models output.
+    """
+    if isinstance(loss, str):
+        key = loss.strip().lower()
+        if key not in LOSSES:
+            raise ValueError(f"loss {loss!r} is unknown; use one of {', '.join(sorted(LOSSES))} or "
+                             "pass a tf_keras.losses.Loss")
+        loss = LOSSES[key]()
+    if isinstance(loss, tf_keras.losses.Loss):
+        return loss.call
+    if callable(loss):
+        return loss
+    raise ValueError(f"loss must be a name, a tf_keras.losses.Loss or a callable; got "
+                     f"{type(loss).__name__}")

@@ -1,0 +1,350 @@
+"""The outer loop: ``Trainer.fit / evaluate / predict`` with progress, checkpoints and resume.
+
+The inner loop is ``dtk.steps`` (compiled steps); this module owns epochs, evaluation cadence,
+checkpoints, callbacks, TensorBoard scalars and progress output, in plain Python around those calls.
+
+Example::
+
+    mesh = dtk.build_mesh("batch=8")
+    trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout="data_parallel",
+                          optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
+                          config=dtk.TrainerConfig(seed=0, checkpoint_dir="/tmp/run"))
+    history = trainer.fit(train_data, epochs=3, validation_data=test_data)
+    print(trainer.evaluate(test_data))   # {'loss': ..., 'accuracy': ..., 'examples': 10000}
+
+Resume: with ``checkpoint_dir`` set, ``fit`` saves at the end of every epoch (and when
+``max_steps`` stops it mid-epoch) and, when the directory already holds a checkpoint, restores it
+and continues from the saved epoch and batch: the same data order, the same updates, the same
+history as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk import checkpoint as ckpt_lib
+from dtk import layouts as layouts_lib
+from dtk import mesh as mesh_lib
+from dtk.steps import StepConfig, Steps
+
+_PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Options of the outer loop.
+
+    Attributes:
+      seed: seeds weight initialization (identical on every client, which the run relies on).
+      steps_per_execution: batches per compiled call; the training data must stack as many
+        (``InputConfig(steps_per_call=...)``).
+      jit_compile: compile the steps with XLA.
+      checkpoint_dir: save every epoch there, and resume from it if it holds a checkpoint.
+      max_to_keep: checkpoints kept.
+      tensorboard_dir: write per-epoch scalars there (client 0 only).
+      max_steps: stop after this many training steps in all (counting steps done before a resume).
+      verbose: 0 silent, 1 progress bar, 2 one line per epoch.
+    """
+
+    seed: int = 0
+    steps_per_execution: int = 1
+    jit_compile: bool = False
+    checkpoint_dir: str | None = None
+    max_to_keep: int = 3
+    tensorboard_dir: str | None = None
+    max_steps: int | None = None
+    verbose: int = 1
+
+    def __post_init__(self):
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be a positive integer or None; got {self.max_steps}")
+        if self.verbose not in (0, 1, 2):
+            raise ValueError(f"verbose must be 0, 1 or 2; got {self.verbose!r}")
+
+
+@dataclasses.dataclass
+class History:
+    """Per-epoch logs, as Keras' ``History``: ``history["loss"][e]`` is epoch e's training loss."""
+
+    epochs: list[int] = dataclasses.field(default_factory=list)
+    history: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def append(self, epoch: int, logs: dict[str, float]) -> None:
+        self.epochs.append(epoch)
+        for key, value in logs.items():
+            self.history.setdefault(key, []).append(float(value))
+
+
+@dataclasses.dataclass
+class Timing:
+    """Wall-clock figures of the last ``fit``: first call (with tracing) and windows of steps."""
+
+    first_step_s: float | None = None
+    windows: list[tuple[int, float, int]] = dataclasses.field(default_factory=list)  # (steps, s, epoch)
+
+    def ms_per_step_median(self, *, skip_epoch: int | None = None) -> float | None:
+        """Median over sync windows of ms per step, leaving out windows of ``skip_epoch``."""
+        rates = [1000 * s / n for n, s, e in self.windows if n and e != skip_epoch]
+        if not rates and skip_epoch is not None:
+            return self.ms_per_step_median()
+        return float(np.median(rates)) if rates else None
+
+
+class Trainer:
+    """Trains a laid-out Keras model on a mesh, like ``Model.fit`` (which DTensor cannot run).
+
+    Args:
+      mesh: the mesh.
+      model: a model factory (a callable returning a new tf_keras model), built here under
+        ``layout`` with ``config.seed``; or an already laid-out model (then ``export`` needs
+        ``model_factory``).
+      layout: a layout table name, path or ``LayoutTable`` (default ``data_parallel``); only used
+        with a factory.
+      optimizer: a name or a mesh-bound optimizer (see ``dtk.make_optimizer``).
+      loss: a loss name, a ``tf_keras.losses.Loss`` or a per-example loss function.
+      metrics: metric names or mesh-bound metrics.
+      config: ``TrainerConfig``.
+      model_factory: the factory of an already built ``model``, for ``export``.
+    """
+
+    def __init__(self, *, mesh: dtensor.Mesh, model: tf_keras.Model | Callable[[], tf_keras.Model],
+                 layout: Any = None, optimizer: Any = "adam",
+                 loss: Any = "sparse_categorical_crossentropy",
+                 metrics: Sequence[Any] = ("accuracy",), config: TrainerConfig = TrainerConfig(),
+                 model_factory: Callable[[], tf_keras.Model] | None = None):
+        self.mesh = mesh
+        self.config = config
+        self.layout_plan = None
+        if isinstance(model, tf_keras.Model):
+            if layout is not None:
+                raise ValueError("layout applies only when model is a factory; a built model already "
+                                 "has its layouts. Pass the factory (e.g. dtk.models.mnist_mlp)")
+            self.model, self.model_factory = model, model_factory
+        elif callable(model):
+            table = layouts_lib.load_table(layout or "data_parallel") if not isinstance(
+                layout, layouts_lib.LayoutTable) else layout
+            self.model, self.layout_plan = layouts_lib.build_model(model, mesh, table,
+                                                                    seed=config.seed)
+            self.model_factory = model
+        else:
+            raise ValueError(f"model must be a tf_keras.Model or a factory returning one; got "
+                             f"{type(model).__name__}")
+        self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
+                           config=StepConfig(jit_compile=config.jit_compile,
+                                             steps_per_execution=config.steps_per_execution))
+        self.optimizer = self.steps.optimizer
+        self.timing = Timing()
+        self.history = History()
+        self._checkpointer = None
+        if config.checkpoint_dir:
+            self._checkpointer = ckpt_lib.Checkpointer(
+                config.checkpoint_dir, model=self.model, optimizer=self.optimizer,
+                metrics=[self.steps.loss_metric, *self.steps.metrics],
+                max_to_keep=config.max_to_keep)
+
+    # -- training ---------------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        return int(self.optimizer.iterations.numpy())
+
+    def _check_data(self, data: Any, *, stacked: int) -> None:
+        got = getattr(getattr(data, "config", None), "steps_per_call", 1)
+        if got != stacked:
+            raise ValueError(
+                f"data stacks steps_per_call={got} batches per item but the trainer runs "
+                f"steps_per_execution={stacked}; build the training data with "
+                f"InputConfig(steps_per_call={stacked}) (evaluation data with 1)")
+        if getattr(data, "num_batches", None) in (None, 0):
+            raise ValueError("data has no batches (or an unknown number of batches per epoch); "
+                             "check the dataset and the global batch size")
+
+    def fit(self, train_data: Any, *, epochs: int, validation_data: Any = None,
+            on_epoch_end: Sequence[Callable[[int, dict], Any]] = (),
+            on_step_end: Sequence[Callable[[int], Any]] = ()) -> History:
+        """Trains for ``epochs`` epochs (resuming from ``checkpoint_dir`` if it holds a checkpoint).
+
+        Args:
+          train_data: a ``dtk.input.DistributedDataset`` (``steps_per_call`` equal to the trainer's
+            ``steps_per_execution``).
+          epochs: total epochs, counting epochs done before a resume.
+          validation_data: evaluated at the end of every epoch (``val_`` logs).
+          on_epoch_end: callables ``f(epoch, logs)``.
+          on_step_end: callables ``f(global_step)`` after every compiled call.
+
+        Returns:
+          The ``History`` of all epochs, including those restored from a checkpoint.
+        """
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
+        spe = self.config.steps_per_execution
+        self._check_data(train_data, stacked=spe)
+        steps_per_epoch = train_data.num_batches
+        epoch, skip = self._resume(steps_per_epoch)
+        dropped = getattr(train_data, "num_dropped", 0)
+        if dropped and self.config.verbose and mesh_lib.client_id() == 0:
+            print(f"Training drops {dropped} of {train_data.num_examples} examples per epoch "
+                  "(remainder='drop': the global batch size does not divide the data)")
+        writer = self._summary_writer()
+        self.timing = Timing()
+        while epoch < epochs and not self._done():
+            if skip == 0:
+                self.steps.reset_metrics()
+            logs, stopped = self._run_epoch(train_data, epoch, skip, steps_per_epoch, on_step_end)
+            skip = 0
+            if stopped:  # max_steps reached mid-epoch: save the position, keep metric states
+                batch_in_epoch = self.global_step - epoch * steps_per_epoch
+                self._save(epoch, batch_in_epoch, steps_per_epoch)
+                break
+            self._save(epoch + 1, 0, steps_per_epoch)
+            if validation_data is not None:
+                logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
+            self.history.append(epoch, logs)
+            self._log_epoch(epoch, epochs, logs, writer)
+            for callback in on_epoch_end:
+                callback(epoch, logs)
+            epoch += 1
+        return self.history
+
+    def _done(self) -> bool:
+        return self.config.max_steps is not None and self.global_step >= self.config.max_steps
+
+    def _run_epoch(self, data, epoch, skip, steps_per_epoch, on_step_end):
+        progbar = None
+        if self.config.verbose == 1 and mesh_lib.client_id() == 0:
+            print(f"Epoch {epoch + 1}")
+            progbar = tf_keras.utils.Progbar(steps_per_epoch, stateful_metrics=self._metric_names())
+        done = skip
+        window_steps, window_start = 0, time.perf_counter()
+        for batch in data.epoch(epoch, skip_batches=skip):
+            n = _num_steps(batch, self.config.steps_per_execution)
+            if self.config.max_steps is not None:
+                left = self.config.max_steps - self.global_step
+                if left <= 0:
+                    return self.steps.results(), True
+                if left < n:
+                    batch, n = _first_steps(batch, left), left
+            start = time.perf_counter()
+            loss = self.steps.train(batch)
+            if self.timing.first_step_s is None:
+                float(loss)
+                self.timing.first_step_s = time.perf_counter() - start
+                window_start = time.perf_counter()
+            else:
+                window_steps += n
+            done += n
+            for callback in on_step_end:
+                callback(epoch * steps_per_epoch + done)
+            now = time.perf_counter()
+            if now - window_start >= _PROGRESS_INTERVAL_S or done >= steps_per_epoch:
+                results = self.steps.results()  # syncs
+                now = time.perf_counter()
+                if window_steps:
+                    self.timing.windows.append((window_steps, now - window_start, epoch))
+                window_steps, window_start = 0, now
+                if progbar is not None:
+                    progbar.update(done, list(results.items()))
+        logs = self.steps.results()
+        return logs, self._done() and done < steps_per_epoch
+
+    def _metric_names(self) -> list[str]:
+        return [m.name for m in [self.steps.loss_metric, *self.steps.metrics]]
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _resume(self, steps_per_epoch: int) -> tuple[int, int]:
+        if self._checkpointer is None:
+            return 0, 0
+        state = self._checkpointer.restore()
+        if state is None:
+            return 0, 0
+        if state.get("steps_per_epoch") != steps_per_epoch:
+            raise ValueError(
+                f"checkpoint {self._checkpointer.latest} was written with {state.get('steps_per_epoch')}"
+                f" steps per epoch, but this data gives {steps_per_epoch}: the data or the global "
+                "batch size changed, so the run cannot resume at the same position. Use the same "
+                "data and batch size, or a new checkpoint directory")
+        self.history = History(epochs=list(state["history"]["epochs"]),
+                               history={k: list(v) for k, v in state["history"]["logs"].items()})
+        if mesh_lib.client_id() == 0 and self.config.verbose:
+            print(f"Resumed from {self._checkpointer.latest}: epoch {state['epoch'] + 1}, batch "
+                  f"{state['batch_in_epoch']}, step {self.global_step}")
+        return int(state["epoch"]), int(state["batch_in_epoch"])
+
+    def _save(self, epoch: int, batch_in_epoch: int, steps_per_epoch: int) -> None:
+        if self._checkpointer is None:
+            return
+        self._checkpointer.save({
+            "epoch": epoch, "batch_in_epoch": batch_in_epoch, "steps_per_epoch": steps_per_epoch,
+            "history": {"epochs": self.history.epochs, "logs": self.history.history},
+        }, step=self.global_step)
+
+    # -- evaluation and prediction ----------------------------------------------------------------
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Loss and metrics over every example of ``data`` (padding excluded by its weights).
+
+        Returns:
+          ``{"loss": ..., <metric>: ..., "examples": <number of real examples counted>}``.
+        """
+        self._check_data(data, stacked=1)
+        self.steps.reset_metrics()
+        for batch in data.epoch(0):
+            self.steps.evaluate(batch)
+        results = self.steps.results()
+        results["examples"] = int(round(float(self.steps.loss_metric.count.numpy())))
+        self.steps.reset_metrics()
+        return results
+
+    def predict(self, data: Any) -> np.ndarray:
+        """The model's outputs for every real example of ``data``, in order, as one numpy array."""
+        self._check_data(data, stacked=1)
+        outputs = []
+        for batch in data.epoch(0):
+            features, _, weights = batch
+            out = ckpt_lib.global_value(self.steps.predict(features))
+            keep = ckpt_lib.global_value(weights) > 0
+            outputs.append(out[keep])
+        return np.concatenate(outputs) if outputs else np.zeros((0,))
+
+    def export(self, export_dir: str) -> dict[str, str]:
+        """Writes the trained weights as a plain ``.keras`` model and a SavedModel (see checkpoint)."""
+        if self.model_factory is None:
+            raise ValueError("export needs the model factory: pass model_factory= to Trainer when "
+                             "giving a built model")
+        return ckpt_lib.export(self.model, self.model_factory, export_dir)
+
+    # -- output -----------------------------------------------------------------------------------
+    def _summary_writer(self):
+        if self.config.tensorboard_dir and mesh_lib.client_id() == 0:
+            return tf.summary.create_file_writer(self.config.tensorboard_dir)
+        return None
+
+    def _log_epoch(self, epoch, epochs, logs, writer) -> None:
+        if mesh_lib.client_id() == 0 and self.config.verbose:
+            text = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
+            print(f"epoch {epoch + 1}/{epochs} - {text}", flush=True)
+        if writer is not None:
+            with writer.as_default():
+                for key, value in logs.items():
+                    tf.summary.scalar(key, value, step=epoch + 1)
+            writer.flush()
+
+
+def _num_steps(batch, steps_per_execution: int) -> int:
+    """Steps held by one item of data: 1, or the leading dim of a stacked batch."""
+    if steps_per_execution == 1:
+        return 1
+    return int(batch[1].shape[0])
+
+
+def _first_steps(batch, n: int):
+    """The first ``n`` batches of a stacked batch (for ``max_steps`` inside a stack)."""
+    index = tf.range(n)
+    return type(batch)(*(tf.gather(t, index) for t in batch)) if hasattr(batch, "_fields") else \
+        tuple(tf.gather(t, index) for t in batch)
