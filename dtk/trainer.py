@@ -47,6 +47,8 @@ class TrainerConfig:
       steps_per_execution: batches per compiled call; the training data must stack as many
         (``InputConfig(steps_per_call=...)``).
       jit_compile: compile the steps with XLA.
+      shard_optimizer_state: shard optimizer state and the weight update over the batch axis
+        (ZeRO-style; see ``dtk.StepConfig``).
       checkpoint_dir: save every epoch there, and resume from it if it holds a checkpoint.
       max_to_keep: checkpoints kept.
       tensorboard_dir: write per-epoch scalars there (client 0 only).
@@ -57,6 +59,7 @@ class TrainerConfig:
     seed: int = 0
     steps_per_execution: int = 1
     jit_compile: bool = False
+    shard_optimizer_state: bool = False
     checkpoint_dir: str | None = None
     max_to_keep: int = 3
     tensorboard_dir: str | None = None
@@ -139,7 +142,8 @@ class Trainer:
                              f"{type(model).__name__}")
         self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
                            config=StepConfig(jit_compile=config.jit_compile,
-                                             steps_per_execution=config.steps_per_execution))
+                                             steps_per_execution=config.steps_per_execution,
+                                             shard_optimizer_state=config.shard_optimizer_state))
         self.optimizer = self.steps.optimizer
         self.timing = Timing()
         self.history = History()
@@ -264,6 +268,7 @@ class Trainer:
         state = self._checkpointer.restore()
         if state is None:
             return 0, 0
+        self.steps.sync_update_state()
         if state.get("steps_per_epoch") != steps_per_epoch:
             raise ValueError(
                 f"checkpoint {self._checkpointer.latest} was written with {state.get('steps_per_epoch')}"
