@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
 
 from dtk import mesh as mesh_lib
 
@@ -91,16 +92,38 @@ class Checkpointer:
         path = path or self.latest
         if path is None:
             return None
+        self._check_shapes(path)
         try:
             status = self._checkpoint.restore(path)
             status.assert_existing_objects_matched()
             status.assert_consumed()
         except (AssertionError, ValueError, tf.errors.OpError) as e:
+            context.async_clear_error()  # a failed async DTensor op would poison later ops
             raise ValueError(
                 f"checkpoint {path} does not match this model and optimizer: {_first_line(e)}. "
                 "It was written by another model (or another optimizer); use a new checkpoint "
                 "directory or the model that wrote it") from e
         return dict(self._state.value)
+
+
+    def _check_shapes(self, path: str) -> None:
+        """Compares the saved model weights' shapes with the model's, before touching any variable.
+
+        A restore that fails half-way inside DTensor leaves the runtime in an error state, so the
+        common mismatch (another architecture) is caught here first.
+        """
+        try:
+            saved = sorted(tuple(shape) for name, shape in tf.train.list_variables(path)
+                           if name.startswith("model/"))
+        except (tf.errors.OpError, ValueError) as e:
+            raise ValueError(f"checkpoint {path} cannot be read: {_first_line(e)}") from e
+        model = self._checkpoint.model
+        have = sorted(tuple(w.shape) for w in model.weights)
+        if saved != have:
+            raise ValueError(
+                f"checkpoint {path} does not match this model: it holds {len(saved)} model weights "
+                f"of shapes {saved}, the model has {len(have)} of shapes {have}. It was written by "
+                "another model; use a new checkpoint directory or the model that wrote it")
 
 
 def _first_line(e: BaseException) -> str:

@@ -184,13 +184,15 @@ class Trainer:
           on_step_end: callables ``f(global_step)`` after every compiled call.
 
         Returns:
-          The ``History`` of all epochs, including those restored from a checkpoint.
+          The ``History`` of all epochs, including those restored from a checkpoint. When
+          ``max_steps`` stops training mid-epoch, that epoch's logs so far are its last entry.
         """
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
         spe = self.config.steps_per_execution
         self._check_data(train_data, stacked=spe)
         steps_per_epoch = train_data.num_batches
+        self.history = History()
         epoch, skip = self._resume(steps_per_epoch)
         dropped = getattr(train_data, "num_dropped", 0)
         if dropped and self.config.verbose and mesh_lib.client_id() == 0:
@@ -206,11 +208,14 @@ class Trainer:
             if stopped:  # max_steps reached mid-epoch: save the position, keep metric states
                 batch_in_epoch = self.global_step - epoch * steps_per_epoch
                 self._save(epoch, batch_in_epoch, steps_per_epoch)
+                # The partial epoch is reported (not saved: a resume recomputes the whole epoch).
+                self.history.append(epoch, logs)
+                self._log_epoch(epoch, epochs, logs, writer, partial=True)
                 break
-            self._save(epoch + 1, 0, steps_per_epoch)
             if validation_data is not None:
                 logs.update({f"val_{k}": v for k, v in self.evaluate(validation_data).items()})
             self.history.append(epoch, logs)
+            self._save(epoch + 1, 0, steps_per_epoch)
             self._log_epoch(epoch, epochs, logs, writer)
             for callback in on_epoch_end:
                 callback(epoch, logs)
@@ -330,10 +335,11 @@ class Trainer:
             return tf.summary.create_file_writer(self.config.tensorboard_dir)
         return None
 
-    def _log_epoch(self, epoch, epochs, logs, writer) -> None:
+    def _log_epoch(self, epoch, epochs, logs, writer, *, partial=False) -> None:
         if mesh_lib.client_id() == 0 and self.config.verbose:
             text = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
-            print(f"epoch {epoch + 1}/{epochs} - {text}", flush=True)
+            note = f" (stopped at max_steps={self.config.max_steps})" if partial else ""
+            print(f"epoch {epoch + 1}/{epochs} - {text}{note}", flush=True)
         if writer is not None:
             with writer.as_default():
                 for key, value in logs.items():
