@@ -1,13 +1,49 @@
-"""Layouts: how tensors and Keras weights are laid out on a mesh.
+"""Layouts: rule tables (data, in ``layouts/``) that give every Keras weight its place on the mesh.
 
-(Work in progress: rule tables, LayoutMap builders, validation and the explainer land here.)
+A table is an ordered list of rules ``pattern -> per-dim sharding``: the pattern is a regular
+expression that must match a weight's whole path (``d1.kernel`` in a Sequential or Functional model,
+``block.mha._query_dense.kernel`` in a subclassed one), and each dim names a mesh axis or
+``unsharded``. Example, ``layouts/mlp_model_parallel.toml`` on ``batch=4,model=2``::
+
+    d1.kernel [784, 128]  [unsharded, model]  each device holds 784 x 64 (column parallel)
+    d2.kernel [128, 10]   [model, unsharded]  each device holds 64 x 10  (row parallel)
+
+Unlike DTensor's ``LayoutMap`` (first prefix ``re.match`` wins, unmatched weights silently
+replicated, bad layouts reported as MLIR dumps when variables are created), dtk plans every weight
+BEFORE any DTensor variable exists: a weight matching two rules, a rank mismatch, an unknown axis,
+a dim not divisible by its axis size are ``ValueError``s naming the weight, its shape, the dim and
+the axis; a rule that matches no weight is reported (an error with ``strict=True``); a weight no
+rule matches gets the table's ``default`` (``replicated``, shown in the explainer, or ``error``).
+
+Tables name the axes they expect. An axis listed in ``optional_axes`` that the mesh lacks makes
+those dims unsharded (a model-parallel table still runs on ``batch=8``); any other missing axis is
+an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tensorflow as tf
+import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.mesh import BATCH_AXIS
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore
+
+UNSHARDED = "unsharded"
+DEFAULTS = ("replicated", "error")
+_SKIP = ("_self_tracked_trackables", "_trainable_weights", "_non_trainable_weights",
+         "_captured_weight_regularizer")
 
 
 def batch_layout(mesh: dtensor.Mesh, rank: int, *, batch_axis: str = BATCH_AXIS) -> dtensor.Layout:
@@ -26,3 +62,322 @@ def batch_layout(mesh: dtensor.Mesh, rank: int, *, batch_axis: str = BATCH_AXIS)
     if batch_axis not in mesh.dim_names:
         return dtensor.Layout.replicated(mesh, rank)
     return dtensor.Layout.batch_sharded(mesh, batch_axis, rank)
+
+
+# -- tables ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutRule:
+    """One rule: weights whose whole path matches ``pattern`` get ``dims`` (axis name or None)."""
+
+    pattern: str
+    dims: tuple[str | None, ...]
+    note: str = ""
+
+    def spec(self) -> str:
+        return "[" + ", ".join(d or UNSHARDED for d in self.dims) + "]"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutTable:
+    """An ordered rule table, as read from ``layouts/<name>.toml``."""
+
+    name: str
+    description: str
+    axes: tuple[str, ...]
+    rules: tuple[LayoutRule, ...]
+    optional_axes: tuple[str, ...] = ()
+    default: str = "replicated"
+    source: str = ""
+
+
+def layouts_dir() -> Path:
+    """Where the shipped tables live: ``$DTK_LAYOUTS_DIR``, else ``layouts/`` beside the package."""
+    env = os.environ.get("DTK_LAYOUTS_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "layouts", here / "layouts"):
+        if candidate.is_dir():
+            return candidate
+    return here.parent / "layouts"
+
+
+def available_tables() -> list[str]:
+    """Names of the shipped tables."""
+    return sorted(p.stem for p in layouts_dir().glob("*.toml"))
+
+
+def load_table(name_or_path: str | os.PathLike) -> LayoutTable:
+    """Reads a table by name (``data_parallel``) or from a path to a ``.toml`` file.
+
+    Raises:
+      ValueError: unknown name (lists the shipped tables), unreadable file, or a malformed table
+        (naming the file and the rule).
+    """
+    if isinstance(name_or_path, LayoutTable):
+        return name_or_path
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if not (text.endswith(".toml") or os.sep in text):
+        path = layouts_dir() / f"{text}.toml"
+        if not path.is_file():
+            raise ValueError(f"layout table {text!r} is unknown; shipped tables: "
+                             f"{', '.join(available_tables())}; or pass a path to a .toml file")
+    if not path.is_file():
+        raise ValueError(f"layout table file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"layout table {path} cannot be read: {e}") from e
+    return _parse_table(data, str(path))
+
+
+def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
+    def fail(message):
+        raise ValueError(f"layout table {source}: {message}")
+
+    unknown = set(data) - {"name", "description", "axes", "optional_axes", "default", "rules"}
+    if unknown:
+        fail(f"unknown keys {sorted(unknown)}; allowed: name, description, axes, optional_axes, "
+             "default, rules")
+    axes = tuple(data.get("axes", ()))
+    optional = tuple(data.get("optional_axes", ()))
+    if not set(optional) <= set(axes):
+        fail(f"optional_axes {list(optional)} must be among axes {list(axes)}")
+    default = data.get("default", "replicated")
+    if default not in DEFAULTS:
+        fail(f"default {default!r} is not one of {', '.join(DEFAULTS)}")
+    rules = []
+    for i, raw in enumerate(data.get("rules", [])):
+        pattern, dims = raw.get("pattern"), raw.get("dims")
+        if not isinstance(pattern, str) or not isinstance(dims, list):
+            fail(f"rule {i + 1} needs pattern = \"regex\" and dims = [\"axis\" or \"unsharded\", ...]")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            fail(f"rule {i + 1}: pattern {pattern!r} is not a valid regular expression: {e}")
+        parsed = tuple(None if d in (UNSHARDED, "") else d for d in dims)
+        for d in parsed:
+            if d is not None and d not in axes:
+                fail(f"rule {i + 1} ({pattern!r}) names axis {d!r}, which is not in the table's "
+                     f"axes {list(axes)}")
+        rules.append(LayoutRule(pattern=pattern, dims=parsed, note=str(raw.get("note", ""))))
+    return LayoutTable(name=str(data.get("name", Path(source).stem)),
+                       description=str(data.get("description", "")), axes=axes,
+                       optional_axes=optional, default=default, rules=tuple(rules), source=source)
+
+
+# -- planning -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightPlan:
+    """Where one weight goes: its path, shape, the rule that matched, and its sharding."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    rule: LayoutRule | None
+    dims: tuple[str | None, ...]
+    bytes_per_device: int
+    bytes_total: int
+
+    def spec(self) -> str:
+        return "[" + ", ".join(d or UNSHARDED for d in self.dims) + "]"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayoutPlan:
+    """A validated plan for every weight of a model on a mesh; ``warnings`` lists what to know."""
+
+    table: LayoutTable
+    mesh_axes: tuple[tuple[str, int], ...]
+    weights: tuple[WeightPlan, ...]
+    unused_rules: tuple[LayoutRule, ...]
+    warnings: tuple[str, ...]
+
+    def layout(self, path: str, mesh: dtensor.Mesh) -> dtensor.Layout:
+        for weight in self.weights:
+            if weight.path == path:
+                return dtensor.Layout([d or dtensor.UNSHARDED for d in weight.dims], mesh)
+        raise KeyError(path)
+
+
+def weight_paths(model: tf_keras.Model) -> list[tuple[str, tf.Variable]]:
+    """Every weight of a built model with its path as DTensor's LayoutMap names it.
+
+    Sequential/Functional: ``<layer name>.<attribute path>`` (``d1.kernel``); subclassed: the
+    attribute path from the model (``block.ff.0.kernel``). A weight reachable by several paths is
+    listed once, by its first path.
+    """
+    functional = getattr(model, "_is_graph_network", False) or isinstance(model, tf_keras.Sequential)
+    roots = [(layer.name + ".", layer) for layer in model.layers] if functional else [("", model)]
+    seen, out = set(), []
+    for prefix, root in roots:
+        for path, variable in root._flatten(  # pylint: disable=protected-access
+                predicate=lambda o: isinstance(o, tf.Variable), with_path=True):
+            if any(a in path for a in _SKIP) or id(variable) in seen:
+                continue
+            seen.add(id(variable))
+            out.append((prefix + ".".join(str(p) for p in path), variable))
+    return out
+
+
+def _match(table: LayoutTable, path: str) -> list[LayoutRule]:
+    return [rule for rule in table.rules if re.fullmatch(rule.pattern, path)]
+
+
+def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: bool = False
+                 ) -> LayoutPlan:
+    """Matches and validates ``weights`` (``(path, shape, dtype)`` triples) against ``table``.
+
+    Raises:
+      ValueError: see the module docstring; every message names the weight and the fix.
+    """
+    sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
+    missing = [a for a in table.axes if a not in sizes and a not in table.optional_axes]
+    if missing:
+        raise ValueError(
+            f"layout table {table.name!r} needs mesh axes {missing}, which mesh "
+            f"{','.join(f'{k}={v}' for k, v in sizes.items())} does not have; add them to the "
+            "mesh, or use a table for this mesh (e.g. data_parallel)")
+    planned, used, warnings = [], set(), []
+    for path, shape, dtype in weights:
+        shape = tuple(int(s) for s in shape)
+        rules = _match(table, path)
+        if len(rules) > 1:
+            raise ValueError(
+                f"weight {path} {list(shape)} matches {len(rules)} rules of table {table.name!r}: "
+                f"{rules[0].pattern!r} and {rules[1].pattern!r}; make the patterns disjoint")
+        rule = rules[0] if rules else None
+        if rule is None:
+            if table.default == "error":
+                raise ValueError(f"weight {path} {list(shape)} matches no rule of table "
+                                 f"{table.name!r} (default = \"error\"); add a rule for it")
+            dims = (None,) * len(shape)
+        else:
+            used.add(rule.pattern)
+            if len(rule.dims) != len(shape):
+                raise ValueError(
+                    f"rule {rule.pattern!r} {rule.spec()} of table {table.name!r} gives "
+                    f"{len(rule.dims)} dims, but weight {path} has shape {list(shape)} (rank "
+                    f"{len(shape)}); give one entry per dim")
+            dims = []
+            for dim, (axis, n) in enumerate(zip(rule.dims, shape)):
+                if axis is not None and axis not in sizes:
+                    axis = None  # an optional axis this mesh lacks: unsharded
+                if axis is not None and n % sizes[axis]:
+                    raise ValueError(
+                        f"weight {path} {list(shape)}: dim {dim} ({n}) is not divisible by mesh "
+                        f"axis {axis!r} (size {sizes[axis]}) (rule {rule.pattern!r}); change the "
+                        f"layer size to a multiple of {sizes[axis]} or leave that dim unsharded")
+                if axis is not None and axis in dims:
+                    raise ValueError(f"rule {rule.pattern!r} shards two dims of weight {path} on "
+                                     f"axis {axis!r}; an axis can shard one dim only")
+                dims.append(axis)
+            dims = tuple(dims)
+        itemsize = tf.as_dtype(dtype).size
+        total = itemsize
+        for n in shape:
+            total *= n
+        split = 1
+        for axis in dims:
+            split *= sizes[axis] if axis else 1
+        planned.append(WeightPlan(path=path, shape=shape, dtype=tf.as_dtype(dtype).name, rule=rule,
+                                  dims=dims, bytes_per_device=total // split, bytes_total=total))
+    unused = tuple(r for r in table.rules if r.pattern not in used)
+    if unused:
+        message = (f"layout table {table.name!r}: rule(s) {[r.pattern for r in unused]} match no "
+                   "weight of this model")
+        if strict:
+            raise ValueError(message + "; fix the patterns or pass strict=False")
+        warnings.append(message)
+    if any(a not in sizes for a in table.optional_axes):
+        warnings.append(f"mesh has no axis {[a for a in table.optional_axes if a not in sizes]}: "
+                        "dims laid out on it are unsharded")
+    return LayoutPlan(table=table, mesh_axes=tuple(sizes.items()), weights=tuple(planned),
+                      unused_rules=unused, warnings=tuple(warnings))
+
+
+def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
+                 model_factory: Callable[[], tf_keras.Model], *, strict: bool = False) -> LayoutPlan:
+    """Plans every weight of ``model_factory()`` on ``mesh``, before any DTensor variable exists.
+
+    The factory is called once outside any layout scope, to read weight paths and shapes from
+    ordinary variables.
+    """
+    table = load_table(table)
+    model = model_factory()
+    weights = [(path, tuple(v.shape), v.dtype) for path, v in weight_paths(model)]
+    if not weights:
+        raise ValueError("model_factory built a model with no weights; build it (give the first "
+                         "layer an input_shape, or call a subclassed model once) in the factory")
+    return plan_weights(table, mesh, weights, strict=strict)
+
+
+class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
+    """A LayoutMap that answers with the validated plan (exact paths only, never a prefix match)."""
+
+    def __init__(self, plan: LayoutPlan, mesh: dtensor.Mesh):
+        super().__init__(mesh=mesh)
+        self._plan = {w.path: dtensor.Layout([d or dtensor.UNSHARDED for d in w.dims], mesh)
+                      for w in plan.weights}
+
+    def __getitem__(self, key):
+        return self._plan.get(key)
+
+
+def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
+                table: LayoutTable | str, *, seed: int, strict: bool = False
+                ) -> tuple[tf_keras.Model, LayoutPlan]:
+    """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
+
+    Plans (and validates) first, then seeds with ``tf_keras.utils.set_random_seed(seed)`` and
+    builds under the layouts, so the initial weights equal those of
+    ``set_random_seed(seed); model_factory()`` on one device (the parity tests rely on it).
+
+    DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` runs unfused
+    (DTensor's fused kernel has no layout propagation); Dropout and other random layers use
+    TensorFlow's stateful generator (``enable_tf_random_generator``), which DTensor supports.
+    """
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    plan = plan_layouts(table, mesh, model_factory, strict=strict)
+    tf_keras.utils.set_random_seed(seed)
+    with _PlannedLayoutMap(plan, mesh).scope():
+        model = model_factory()
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        if isinstance(layer, tf_keras.layers.LayerNormalization):
+            layer._fused = False  # pylint: disable=protected-access
+    return model, plan
+
+
+# -- explainer ------------------------------------------------------------------------------------
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def explain(plan: LayoutPlan) -> str:
+    """A table of every weight: path, shape, rule, sharding, bytes per device; then totals.
+
+    The last line is a one-line summary (printed by ``train_mnist.py`` at start-up).
+    """
+    mesh = ",".join(f"{k}={v}" for k, v in plan.mesh_axes)
+    rows = [("weight", "shape", "rule", "sharding", "per device")]
+    for w in plan.weights:
+        rule = w.rule.pattern if w.rule else f"(default: {plan.table.default})"
+        rows.append((w.path, str(list(w.shape)), rule, w.spec(), _bytes(w.bytes_per_device)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = [f"layout table {plan.table.name!r} on mesh {mesh}"]
+    lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    for warning in plan.warnings:
+        lines.append(f"note: {warning}")
+    lines.append("note: LayerNormalization runs unfused and random layers use the stateful "
+                 "generator (DTensor requirements)")
+    total = sum(w.bytes_total for w in plan.weights)
+    per_device = sum(w.bytes_per_device for w in plan.weights)
+    sharded = sum(1 for w in plan.weights if any(w.dims))
+    lines.append(f"layouts: {plan.table.name} on {mesh}: {len(plan.weights)} weights "
+                 f"({sharded} sharded), {_bytes(total)} in all, {_bytes(per_device)} per device")
+    return "\n".join(lines)

@@ -42,3 +42,24 @@ def mnist_cnn(*, filters: tuple[int, int] = (32, 64), hidden: int = 128,
 
 
 MODELS = {"mlp": mnist_mlp, "cnn": mnist_cnn}
+
+
+def tiny_transformer(*, vocab: int = 64, seq_len: int = 8, dim: int = 16, heads: int = 4,
+                     ff: int = 32, classes: int = NUM_CLASSES, dropout: float = 0.1,
+                     name: str = "tiny_transformer") -> tf_keras.Model:
+    """One post-norm transformer block over token ids, mean-pooled into a classifier.
+
+    Layer names match ``layouts/transformer_block.toml``. Used by the layer-coverage tests:
+    Embedding, MultiHeadAttention, LayerNormalization, Dropout and Dense under DTensor.
+    """
+    tokens = tf_keras.Input((seq_len,), dtype="int32", name="tokens")
+    h = tf_keras.layers.Embedding(vocab, dim, name="embed")(tokens)
+    a = tf_keras.layers.MultiHeadAttention(heads, dim // heads, name="attn")(h, h)
+    a = tf_keras.layers.Dropout(dropout, name="drop")(a)
+    h = tf_keras.layers.LayerNormalization(name="ln1")(h + a)
+    f = tf_keras.layers.Dense(ff, activation="relu", name="ff1")(h)
+    f = tf_keras.layers.Dense(dim, name="ff2")(f)
+    h = tf_keras.layers.LayerNormalization(name="ln2")(h + f)
+    pooled = tf_keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    logits = tf_keras.layers.Dense(classes, name="head", dtype="float32")(pooled)
+    return tf_keras.Model(tokens, logits, name=name)

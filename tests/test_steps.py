@@ -1,0 +1,199 @@
+"""The parity suite: dtk's compiled steps on 8 devices match single-device training.
+
+Same initial weights (same seed), same data: per-step losses and final weights on every mesh equal
+a plain tf_keras run on one device to 1e-5 relative, for each optimizer, on the MNIST MLP and a small
+CNN. Plus metrics, padding, steps_per_execution and tracing.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+import dtk
+from dtk import input as input_lib
+from dtk import layouts, models, optimizers
+from tests import procs
+
+B = 32      # global batch
+N = 4       # steps
+RTOL = 1e-5
+
+OPTIMIZERS = {
+    "sgd": dict(learning_rate=0.1),
+    "momentum": dict(learning_rate=0.05, momentum=0.9),
+    "adam": dict(learning_rate=0.001),
+    "adamw": dict(learning_rate=0.001, weight_decay=0.01),
+    "rmsprop": dict(learning_rate=0.005),
+    "adagrad": dict(learning_rate=0.1),
+}
+MESHES = {  # mesh -> layout table per model
+    "batch=8": {"mlp": "data_parallel", "cnn": "cnn_data_parallel"},
+    "batch=4,model=2": {"mlp": "mlp_model_parallel", "cnn": "cnn_data_parallel"},
+    "batch=2,model=4": {"mlp": "mlp_model_parallel", "cnn": "cnn_data_parallel"},
+}
+FACTORIES = {
+    "mlp": functools.partial(models.mnist_mlp, hidden=32),
+    "cnn": functools.partial(models.mnist_cnn, filters=(4, 8), hidden=16),
+}
+
+
+def _optimizer(name, mesh=None):
+    kwargs = dict(OPTIMIZERS[name])
+    base = "sgd" if name == "momentum" else name
+    cls = getattr(tf_keras.optimizers, optimizers.OPTIMIZERS[base])
+    return cls(mesh=mesh, **kwargs) if mesh is not None else cls(**kwargs)
+
+
+def _data(n=N, b=B, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, b, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, (n, b)).astype(np.int64)
+    w = np.ones((n, b), np.float32)
+    return x, y, w
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_name, opt_name):
+    """Plain single-device run: per-step losses and final weights."""
+    tf_keras.utils.set_random_seed(7)
+    model = FACTORIES[model_name]()
+    opt = _optimizer(opt_name)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    x, y, _ = _data()
+    losses = [float(step(x[i], y[i])) for i in range(N)]
+    return np.array(losses), [w.numpy() for w in model.weights]
+
+
+def _dtk_steps(model_name, opt_name, spec, *, spe=1, shard=False):
+    mesh = dtk.build_mesh(spec)
+    table = layouts.load_table(MESHES[spec][model_name])
+    model, _ = layouts.build_model(FACTORIES[model_name], mesh, table, seed=7)
+    return dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                     optimizer=_optimizer(opt_name, mesh), metrics=["accuracy"], mesh=mesh,
+                     config=dtk.StepConfig(steps_per_execution=spe,
+                                           shard_optimizer_state=shard)), mesh
+
+
+def _assert_weights_close(model, expected, rtol):
+    for got, want in zip(dtk.gather_weights(model), expected):
+        # atol: Adam turns float-rounding differences in near-zero gradients into ~lr-sized steps.
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=2e-6)
+
+
+PARITY_CASES = [("mlp", o, m) for m in MESHES for o in OPTIMIZERS] + [
+    ("cnn", o, m) for m in MESHES for o in ("momentum", "adam")]
+
+
+@pytest.mark.parametrize("model_name, opt_name, spec", PARITY_CASES)
+def test_parity_with_single_device(model_name, opt_name, spec):
+    want_losses, want_weights = _reference(model_name, opt_name)
+    steps, mesh = _dtk_steps(model_name, opt_name, spec)
+    x, y, w = _data()
+    losses = []
+    for i in range(N):
+        batch = input_lib.pack(mesh, (x[i], y[i], w[i]))
+        losses.append(float(steps.train(batch)))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    _assert_weights_close(steps.model, want_weights, RTOL)
+    assert steps.trace_counts["train"] == 1  # one trace for one shape
+
+
+@pytest.mark.parametrize("model_name, opt_name, spec", [
+    ("mlp", "adam", "batch=8"), ("mlp", "momentum", "batch=4,model=2"),
+    ("mlp", "adamw", "batch=2,model=4"), ("cnn", "adam", "batch=8")])
+def test_sharded_optimizer_state_keeps_parity(model_name, opt_name, spec):
+    want_losses, want_weights = _reference(model_name, opt_name)
+    steps, mesh = _dtk_steps(model_name, opt_name, spec, shard=True)
+    x, y, w = _data()
+    losses = [float(steps.train(input_lib.pack(mesh, (x[i], y[i], w[i])))) for i in range(N)]
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    _assert_weights_close(steps.model, want_weights, RTOL)
+    # The big kernel's optimizer state is sharded over the batch axis: each device holds a slice.
+    kernel = max(steps.model.trainable_variables, key=lambda v: int(np.prod(v.shape)))
+    slots = [v for v in steps.optimizer.variables if v.shape == kernel.shape]
+    assert slots and all("batch" in dtensor.fetch_layout(v).sharding_specs for v in slots)
+    assert all(dtensor.fetch_layout(kernel).sharding_specs != dtensor.fetch_layout(v).sharding_specs
+               for v in slots)
+
+
+def test_steps_per_execution_is_bit_identical():
+    x, y, w = _data(n=6)
+    one, mesh = _dtk_steps("mlp", "adam", "batch=4,model=2")
+    for i in range(6):
+        last_one = one.train(input_lib.pack(mesh, (x[i], y[i], w[i])))
+    many, mesh = _dtk_steps("mlp", "adam", "batch=4,model=2", spe=3)
+    for k in (0, 3):
+        last_many = many.train(input_lib.pack(mesh, (x[k:k + 3], y[k:k + 3], w[k:k + 3]),
+                                              stacked=True))
+    assert float(last_one) == float(last_many)
+    for a, b in zip(dtk.gather_weights(one.model), dtk.gather_weights(many.model)):
+        np.testing.assert_array_equal(a, b)
+    assert many.results() == one.results()
+    assert many.trace_counts["train"] == 1
+    assert int(many.optimizer.iterations.numpy()) == 6
+
+
+def test_metrics_and_padding_count_only_real_examples():
+    steps, mesh = _dtk_steps("mlp", "sgd", "batch=8")
+    x, y, _ = _data(n=1, b=40)
+    w = np.ones(40, np.float32)
+    w[27:] = 0.0   # 27 real examples, 13 padding rows with garbage labels
+    y[0, 27:] = 3
+    loss = steps.evaluate(input_lib.pack(mesh, (x[0], y[0], w)))
+    tf_keras.utils.set_random_seed(7)
+    plain = FACTORIES["mlp"]()
+    logits = plain(x[0, :27]).numpy()
+    want_loss = float(tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+        y[0, :27], logits))
+    want_acc = float(np.mean(np.argmax(logits, axis=1) == y[0, :27]))
+    np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
+    results = steps.results()
+    np.testing.assert_allclose(results["loss"], want_loss, rtol=RTOL)
+    np.testing.assert_allclose(results["accuracy"], want_acc, rtol=RTOL)
+    assert float(steps.loss_metric.count) == 27.0
+    steps.reset_metrics()
+    assert steps.results()["accuracy"] == 0.0
+
+
+@pytest.mark.slow
+def test_combine_setting_left_on_breaks_parity():
+    """Why dtk sets DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0: with it on, SGD drifts."""
+    code = """
+import numpy as np, tensorflow as tf, tf_keras, dtk
+from dtk import input as input_lib, models
+dtk.configure_virtual_cpus(8)
+rng = np.random.default_rng(0)
+x = rng.random((5, 64, 28, 28, 1), dtype=np.float32); y = rng.integers(0, 10, (5, 64))
+def run(spec):
+    mesh = dtk.build_mesh(spec)
+    tf_keras.utils.set_random_seed(3)
+    with tf_keras.dtensor.experimental.LayoutMap(mesh=mesh).scope():
+        model = models.mnist_mlp()
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=tf_keras.optimizers.SGD(0.5, mesh=mesh), mesh=mesh)
+    return np.array([float(steps.train(input_lib.pack(
+        mesh, (x[i], y[i].astype(np.int64), np.ones(64, np.float32))))) for i in range(5)])
+one = run("batch=1")
+print("DIFF", np.max(np.abs(run("batch=8") - one) / one))
+"""
+    on = procs.run_python(code, env=procs.base_env(
+        DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION="1"), timeout=240)
+    off = procs.run_python(code, timeout=240)
+    assert on.returncode == 0 and off.returncode == 0, on.stderr[-2000:] + off.stderr[-2000:]
+    diff_on = float(on.stdout.split("DIFF")[1])
+    diff_off = float(off.stdout.split("DIFF")[1])
+    assert diff_off < 1e-5
+    assert diff_on > 1e-3, f"combining all-reduces no longer breaks parity ({diff_on})"

@@ -1,0 +1,187 @@
+"""The Trainer: fit/evaluate/predict, resume == uninterrupted, checkpoints across meshes, export."""
+
+import functools
+import glob
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+from dtk import checkpoint as ckpt_lib
+from dtk import input as input_lib
+from dtk import models
+
+FACTORY = functools.partial(models.mnist_mlp, hidden=16)
+N_TRAIN, N_TEST, BATCH = 200, 75, 32   # 6 steps per epoch, 8 examples dropped; 75 = 2*32 + 11
+
+
+def _arrays(n, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.random((n, 28, 28, 1), dtype=np.float32),
+            rng.integers(0, 10, n).astype(np.int64))
+
+
+def _data(mesh, *, n=N_TRAIN, seed=0, remainder="drop", shuffle=True, steps_per_call=1):
+    ds = tf.data.Dataset.from_tensor_slices(_arrays(n, seed))
+    return input_lib.DistributedDataset(ds, mesh, input_lib.InputConfig(
+        global_batch_size=BATCH, remainder=remainder, shuffle=shuffle, seed=5,
+        steps_per_call=steps_per_call))
+
+
+def _trainer(spec="batch=8", layout="data_parallel", **config):
+    mesh = dtk.build_mesh(spec)
+    opt = dtk.make_optimizer("adam", mesh, learning_rate=0.01)
+    config.setdefault("verbose", 0)
+    return dtk.Trainer(mesh=mesh, model=FACTORY, layout=layout, optimizer=opt,
+                       config=dtk.TrainerConfig(seed=3, **config))
+
+
+def _plain_twin(trainer):
+    return ckpt_lib.plain_copy(trainer.model, FACTORY)
+
+
+def test_fit_evaluate_predict():
+    trainer = _trainer()
+    mesh = trainer.mesh
+    train, test = _data(mesh), _data(mesh, n=N_TEST, seed=1, remainder="pad", shuffle=False)
+    assert (train.num_batches, train.num_dropped) == (6, 8)
+    history = trainer.fit(train, epochs=2, validation_data=test)
+    assert history.epochs == [0, 1]
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy", "val_examples"}
+    assert history.history["val_examples"] == [N_TEST, N_TEST]
+    assert trainer.global_step == 12
+
+    results = trainer.evaluate(test)
+    assert results["examples"] == N_TEST  # every example counted, none of the padding
+    x, y = _arrays(N_TEST, 1)
+    twin = _plain_twin(trainer)
+    logits = twin(x).numpy()
+    want_loss = float(tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits))
+    np.testing.assert_allclose(results["loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(results["accuracy"], np.mean(logits.argmax(1) == y), rtol=1e-6)
+    np.testing.assert_allclose(trainer.predict(test), logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, layout", [("batch=8", "data_parallel"),
+                                          ("batch=4,model=2", "mlp_model_parallel"),
+                                          ("batch=2,model=4", "mlp_model_parallel")])
+def test_fit_matches_one_device(spec, layout):
+    one = _trainer("batch=1")
+    want = one.fit(_data(one.mesh), epochs=2).history
+    trainer = _trainer(spec, layout)
+    got = trainer.fit(_data(trainer.mesh), epochs=2).history
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    for a, b in zip(dtk.gather_weights(trainer.model), dtk.gather_weights(one.model)):
+        # atol: Adam (lr 0.01) turns rounding differences in near-zero gradients into tiny steps.
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spe, stop_at", [(1, 8), (2, 9), (1, 6)])
+def test_resume_equals_uninterrupted(tmp_path, spe, stop_at):
+    full = _trainer(steps_per_execution=spe)
+    want = full.fit(_data(full.mesh, steps_per_call=spe), epochs=3).history
+
+    first = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe, max_steps=stop_at)
+    first.fit(_data(first.mesh, steps_per_call=spe), epochs=3)
+    assert first.global_step == stop_at
+    second = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe)
+    got = second.fit(_data(second.mesh, steps_per_call=spe), epochs=3).history
+    assert second.global_step == 18
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+    for a, b in zip(dtk.gather_weights(second.model), dtk.gather_weights(full.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_restore_into_another_mesh_shape(tmp_path):
+    source = _trainer(checkpoint_dir=str(tmp_path))
+    source.fit(_data(source.mesh), epochs=1)
+    for spec in ("batch=4,model=2", "batch=2,model=4"):
+        target = _trainer(spec, "mlp_model_parallel", checkpoint_dir=str(tmp_path))
+        state = target._checkpointer.restore()
+        assert state["epoch"] == 1 and target.global_step == 6
+        for a, b in zip(dtk.gather_weights(target.model), dtk.gather_weights(source.model)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    source = _trainer(checkpoint_dir=str(tmp_path))
+    source.fit(_data(source.mesh), epochs=1)
+    mesh = dtk.build_mesh("batch=8")
+    other = dtk.Trainer(mesh=mesh, model=functools.partial(models.mnist_mlp, hidden=8),
+                        layout="data_parallel", optimizer="adam",
+                        config=dtk.TrainerConfig(checkpoint_dir=str(tmp_path), verbose=0))
+    with pytest.raises(ValueError, match="does not match this model"):
+        other.fit(_data(mesh), epochs=2)
+
+
+def test_resume_with_other_data_is_a_clear_error(tmp_path):
+    source = _trainer(checkpoint_dir=str(tmp_path))
+    source.fit(_data(source.mesh), epochs=1)
+    again = _trainer(checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="6 steps per epoch, but this data gives 3"):
+        again.fit(_data(again.mesh, n=100), epochs=2)
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = _trainer(checkpoint_dir=str(tmp_path))
+    trainer.fit(_data(trainer.mesh), epochs=1)
+    first = trainer._checkpointer.latest
+    weights = dtk.gather_weights(trainer.model)
+    from tensorflow.python.checkpoint import checkpoint_management
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated crash before the checkpoint is recorded)")
+
+    monkeypatch.setattr(checkpoint_management, "update_checkpoint_state_internal", crash)
+    with pytest.raises(OSError, match="simulated"):
+        trainer.fit(_data(trainer.mesh), epochs=2)
+    monkeypatch.undo()
+    again = _trainer(checkpoint_dir=str(tmp_path))
+    assert again._checkpointer.latest == first
+    assert again._checkpointer.restore()["epoch"] == 1
+    for a, b in zip(dtk.gather_weights(again.model), weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_export_round_trip(tmp_path):
+    trainer = _trainer()
+    trainer.fit(_data(trainer.mesh), epochs=1)
+    test = _data(trainer.mesh, n=N_TEST, seed=1, remainder="pad", shuffle=False)
+    paths = trainer.export(str(tmp_path / "export"))
+    x, _ = _arrays(N_TEST, 1)
+    want = trainer.predict(test)
+    plain = tf_keras.models.load_model(paths["keras"])
+    np.testing.assert_allclose(plain.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
+    served = tf.saved_model.load(paths["saved_model"])
+    out = served.signatures["serving_default"](tf.constant(x))
+    np.testing.assert_allclose(next(iter(out.values())).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_callbacks_and_tensorboard(tmp_path):
+    trainer = _trainer(tensorboard_dir=str(tmp_path / "tb"), steps_per_execution=2)
+    epochs, steps = [], []
+    trainer.fit(_data(trainer.mesh, steps_per_call=2), epochs=2,
+                on_epoch_end=[lambda e, logs: epochs.append((e, sorted(logs)))],
+                on_step_end=[steps.append])
+    assert epochs == [(0, ["accuracy", "loss"]), (1, ["accuracy", "loss"])]
+    assert steps == [2, 4, 6, 8, 10, 12]
+    assert glob.glob(os.path.join(tmp_path, "tb", "events.out.tfevents.*"))
+    assert trainer.timing.first_step_s > 0
+    assert trainer.timing.ms_per_step_median() > 0
+
+
+def test_bad_arguments():
+    trainer = _trainer()
+    with pytest.raises(ValueError, match="epochs must be a positive integer"):
+        trainer.fit(_data(trainer.mesh), epochs=0)
+    with pytest.raises(ValueError, match="steps_per_call=2 .* steps_per_execution=1"):
+        trainer.fit(_data(trainer.mesh, steps_per_call=2), epochs=1)
+    with pytest.raises(ValueError, match="max_steps must be a positive integer"):
+        dtk.TrainerConfig(max_steps=0)
+    with pytest.raises(ValueError, match="layout applies only when model is a factory"):
+        dtk.Trainer(mesh=trainer.mesh, model=trainer.model, layout="data_parallel")
