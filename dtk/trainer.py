@@ -236,8 +236,6 @@ class Trainer:
             n = _num_steps(batch, self.config.steps_per_execution)
             if self.config.max_steps is not None:
                 left = self.config.max_steps - self.global_step
-                if left <= 0:
-                    return self.steps.results(), True
                 if left < n:
                     batch, n = _first_steps(batch, left), left
             start = time.perf_counter()
@@ -251,17 +249,25 @@ class Trainer:
             done += n
             for callback in on_step_end:
                 callback(epoch * steps_per_epoch + done)
-            now = time.perf_counter()
-            if now - window_start >= _PROGRESS_INTERVAL_S or done >= steps_per_epoch:
+            if self._done():
+                break
+            if time.perf_counter() - window_start >= _PROGRESS_INTERVAL_S:
                 results = self.steps.results()  # syncs
-                now = time.perf_counter()
-                if window_steps:
-                    self.timing.windows.append((window_steps, now - window_start, epoch))
-                window_steps, window_start = 0, now
+                window_steps, window_start = self._close_window(window_steps, window_start, epoch)
                 if progbar is not None:
                     progbar.update(done, list(results.items()))
         logs = self.steps.results()
+        self._close_window(window_steps, window_start, epoch)
+        if progbar is not None:
+            progbar.update(done, list(logs.items()), finalize=True)
         return logs, self._done() and done < steps_per_epoch
+
+    def _close_window(self, steps: int, start: float, epoch: int) -> tuple[int, float]:
+        """Records a timing window ending now (after a sync); returns a fresh one."""
+        now = time.perf_counter()
+        if steps:
+            self.timing.windows.append((steps, now - start, epoch))
+        return 0, now
 
     def _metric_names(self) -> list[str]:
         return [m.name for m in [self.steps.loss_metric, *self.steps.metrics]]

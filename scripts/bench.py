@@ -1,0 +1,265 @@
+"""Benchmark: dtk's train step against the single-device floor, Keras fit and MirroredStrategy.
+
+    python scripts/bench.py                       # both workloads, all variants, table + JSON lines
+    python scripts/bench.py --workloads mlp --repeats 3 --plot bench.png
+
+Every variant runs in its own subprocess (virtual devices are per process), the variants alternate
+within each repeat (so machine noise hits them alike), each process warms up before timing, and
+every timed step is synchronized (DTensor runs asynchronously: a step is only done once its loss is
+read). Reported: the median ms/step over the timed steps and then over repeats, the ratio to the
+floor (a plain single-device ``tf.function`` loop) measured in the same run, and time to first step
+(tracing and compilation included).
+
+On a CPU-only machine, 8 virtual devices share the same cores as the single device, so they cannot
+be faster: the ratio shows the SPMD overhead (dispatch on every device, collectives, replicated
+optimizer updates), which is also paid on GPUs and TPUs.
+
+Workloads: ``mlp`` is the MNIST MLP (784-128-10) at global batch 128; ``heavy`` is 784-1024-1024-10
+at global batch 1024. All variants train with Adam on random MNIST-shaped data, pre-packed (input
+packing is measured by ``scripts/bench_input.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORKLOADS = {
+    "mlp": {"hidden": (128,), "batch": 128, "steps": 60},
+    "heavy": {"hidden": (1024, 1024), "batch": 1024, "steps": 8},
+}
+VARIANTS = {
+    "floor": "plain tf.function loop, 1 device",
+    "keras_fit": "plain tf_keras Model.fit, 1 device",
+    "mirrored_fit": "MirroredStrategy over 8 virtual CPUs, tf_keras fit",
+    "dtk_batch8": "dtk Steps, mesh batch=8",
+    "dtk_batch8_spe": "dtk Steps, mesh batch=8, steps_per_execution=10",
+    "dtk_batch8_zero": "dtk Steps, mesh batch=8, shard_optimizer_state (ZeRO-style update)",
+    "dtk_batch4_model2": "dtk Steps, mesh batch=4,model=2 (mlp_model_parallel)",
+}
+WORKER_TIMEOUT_S = 300
+
+
+# -- worker (one variant, one process) ------------------------------------------------------------
+def _model(tf_keras, hidden, **layer_kwargs):
+    layers = [tf_keras.layers.Flatten(input_shape=(28, 28, 1), name="flatten")]
+    for i, units in enumerate(hidden):
+        layers.append(tf_keras.layers.Dense(units, activation="relu", name=f"d{i + 1}"))
+    layers.append(tf_keras.layers.Dense(10, name=f"d{len(hidden) + 1}"))
+    return tf_keras.Sequential(layers)
+
+
+def _timed(fn, steps, per_call=1):
+    """(first call s, per-step ms of each later call), each call synchronized by reading a value."""
+    start = time.perf_counter()
+    float(fn())
+    first = time.perf_counter() - start
+    for _ in range(3):
+        float(fn())
+    times = []
+    for _ in range(max(1, steps // per_call)):
+        start = time.perf_counter()
+        float(fn())
+        times.append(1000 * (time.perf_counter() - start) / per_call)
+    return first, times
+
+
+def _worker(variant: str, workload: str, steps: int) -> dict:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top  (before TensorFlow traces anything)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
+
+    spec = WORKLOADS[workload]
+    batch, hidden = spec["batch"], spec["hidden"]
+    spe = 10 if variant.endswith("_spe") else 1
+    rng = np.random.default_rng(0)
+    x = rng.random((spe, batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, (spe, batch)).astype(np.int64)
+    w = np.ones((spe, batch), np.float32)
+    if variant != "floor" and variant != "keras_fit":
+        dtk.configure_virtual_cpus(8)
+    tf_keras.utils.set_random_seed(0)
+    loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    if variant == "floor":
+        model = _model(tf_keras, hidden)
+        opt = tf_keras.optimizers.Adam()
+        acc = tf_keras.metrics.SparseCategoricalAccuracy()
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                logits = model(xb, training=True)
+                loss = loss_obj(yb, logits)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            acc.update_state(yb, logits)
+            return loss
+
+        xb, yb = tf.constant(x[0]), tf.constant(y[0])
+        first, times = _timed(lambda: step(xb, yb), steps)
+    elif variant in ("keras_fit", "mirrored_fit"):
+        strategy = (tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
+                    if variant == "mirrored_fit" else tf.distribute.get_strategy())
+        with strategy.scope():
+            model = _model(tf_keras, hidden)
+            model.compile(optimizer=tf_keras.optimizers.Adam(), loss=loss_obj,
+                          metrics=["accuracy"])
+        data = tf.data.Dataset.from_tensors((x[0], y[0])).repeat()
+        stamps = []
+        callback = tf_keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda b, logs: (float(logs["loss"]),
+                                                stamps.append(time.perf_counter())))
+        start = time.perf_counter()
+        model.fit(data, epochs=1, steps_per_epoch=1, verbose=0, callbacks=[callback])
+        first = time.perf_counter() - start
+        stamps.clear()
+        model.fit(data, epochs=1, steps_per_epoch=steps + 4, verbose=0, callbacks=[callback])
+        times = [1000 * (b - a) for a, b in zip(stamps[3:], stamps[4:])]
+    else:
+        from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+        from dtk import layouts  # pylint: disable=g-import-not-at-top
+        mesh_spec, table = (("batch=4,model=2", "mlp_model_parallel")
+                            if variant == "dtk_batch4_model2" else ("batch=8", "data_parallel"))
+        mesh = dtk.build_mesh(mesh_spec)
+        start = time.perf_counter()
+        model, _ = layouts.build_model(lambda: _model(tf_keras, hidden), mesh,
+                                       layouts.load_table(table), seed=0)
+        steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
+                              metrics=["accuracy"], mesh=mesh,
+                              config=dtk.StepConfig(
+                                  steps_per_execution=spe,
+                                  shard_optimizer_state=variant.endswith("_zero")))
+        packed = (input_lib.pack(mesh, (x, y, w), stacked=True) if spe > 1
+                  else input_lib.pack(mesh, (x[0], y[0], w[0])))
+        build_s = time.perf_counter() - start
+        first, times = _timed(lambda: steps_obj.train(packed), steps, per_call=spe)
+        first += build_s
+    return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
+            "first_step_s": first, "timed_steps": len(times) * spe}
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def _run_worker(variant: str, workload: str, steps: int) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--workloads", workload,
+           "--steps", str(steps)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"variant": variant, "workload": workload, "error": f"timeout {WORKER_TIMEOUT_S}s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"variant": variant, "workload": workload, "error": f"exit {proc.returncode}: {tail}"}
+
+
+def _summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        mine = [r for r in runs if r["workload"] == workload]
+        floors = [r["ms_per_step"] for r in mine if r["variant"] == "floor" and "error" not in r]
+        floor = statistics.median(floors) if floors else None
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            ok = [r for r in mine if r["variant"] == variant and "error" not in r]
+            errors = [r["error"] for r in mine if r["variant"] == variant and "error" in r]
+            row = {"workload": workload, "variant": variant, "runs": len(ok)}
+            if ok:
+                ms = statistics.median(r["ms_per_step"] for r in ok)
+                row.update(ms_per_step=round(ms, 3),
+                           first_step_s=round(statistics.median(r["first_step_s"] for r in ok), 3),
+                           ratio_to_floor=round(ms / floor, 2) if floor else None)
+            if errors:
+                row["errors"] = errors
+            rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'workload':8} {'variant':18} {'ms/step':>9} {'x floor':>8} {'first step s':>12}  what"]
+    for r in rows:
+        if "ms_per_step" in r:
+            ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
+            lines.append(f"{r['workload']:8} {r['variant']:18} {r['ms_per_step']:9.2f} {ratio:>8} "
+                         f"{r['first_step_s']:12.2f}  {VARIANTS[r['variant']]}")
+        else:
+            lines.append(f"{r['workload']:8} {r['variant']:18} failed: {r['errors'][0]}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        print("--plot needs matplotlib: pip install -e '.[bench]'", file=sys.stderr)
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload and r.get("ratio_to_floor")]
+        ax.bar([r["variant"] for r in mine], [r["ratio_to_floor"] for r in mine])
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_title(f"{workload}: ms/step relative to the single-device floor")
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"chart: {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="mlp,heavy", help="comma-separated: mlp, heavy")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every variant, alternating")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
+    parser.add_argument("--json_out", default=None, help="also write the JSON lines to this file")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart here (matplotlib)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name, known in (("workload", WORKLOADS), ("variant", VARIANTS)):
+        bad = [v for v in (workloads if name == "workload" else variants) if v not in known]
+        if bad:
+            parser.error(f"unknown {name}(s) {bad}; choose from {', '.join(known)}")
+    if args.worker:
+        print(json.dumps(_worker(args.worker, workloads[0],
+                                 args.steps or WORKLOADS[workloads[0]]["steps"])))
+        return 0
+    if "floor" not in variants:
+        variants.insert(0, "floor")
+    runs = []
+    for repeat in range(args.repeats):
+        for workload in workloads:
+            for variant in variants:
+                result = _run_worker(variant, workload, args.steps or WORKLOADS[workload]["steps"])
+                result["repeat"] = repeat
+                runs.append(result)
+                print(f"  {workload:6} {variant:18} "
+                      f"{result.get('ms_per_step', float('nan')):9.2f} ms/step "
+                      f"{result.get('error', '')}", file=sys.stderr, flush=True)
+    rows = _summarize(runs)
+    print(_table(rows))
+    for row in rows:
+        print(json.dumps(row))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

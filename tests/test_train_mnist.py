@@ -1,0 +1,136 @@
+"""scripts/train_mnist.py end to end, in subprocesses on 8 virtual CPUs, on the real offline MNIST."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import procs
+
+SCRIPT = str(procs.REPO / "scripts" / "train_mnist.py")
+DATA = str(procs.REPO.parent / "shared" / "data" / "mnist")
+TIMEOUT = 240
+pytestmark = pytest.mark.slow
+
+
+def _run(*flags, timeout=TIMEOUT, env=None):
+    return subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True,
+                          timeout=timeout, env=env or procs.base_env(), cwd=procs.REPO)
+
+
+def _train(tmp_path, name, *flags):
+    """Runs a short training on the IDX files; returns the summary JSON."""
+    summary = tmp_path / f"{name}.json"
+    res = _run("--dataset", "idx", "--data_dir", DATA, "--summary_json", str(summary), *flags)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(summary.read_text()), res.stdout
+
+
+@pytest.fixture(scope="module")
+def batch8(tmp_path_factory):
+    """One run shared by several tests: 2 epochs cut short at 30 steps (epoch 2 is partial)."""
+    tmp = tmp_path_factory.mktemp("batch8")
+    return _train(tmp, "batch8", "--mesh", "batch=8", "--epochs", "2", "--max_steps", "30",
+                  "--global_batch_size", "256", "--export_dir", str(tmp / "export"))
+
+
+def test_summary_fields_and_output(batch8):
+    summary, out = batch8
+    for key in ("mesh", "device_type", "num_clients", "model", "epochs", "global_batch_size",
+                "steps", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
+                "test_examples", "ms_per_step_median", "first_step_s", "wall_s", "versions"):
+        assert key in summary, key
+    assert summary["mesh"] == "batch=8" and summary["device_type"] == "CPU"
+    assert summary["num_clients"] == 1 and summary["steps"] == 30
+    assert summary["test_examples"] == 10_000          # every test example counted
+    assert summary["train_dropped_per_epoch"] == 24_345 % 256
+    assert len(summary["train_loss"]) == 1             # 30 steps < 95 steps per epoch
+    assert summary["test_accuracy"] > 0.8              # 30 Adam steps on real data
+    assert summary["ms_per_step_median"] > 0 and summary["first_step_s"] > 0
+    assert set(summary["versions"]) >= {"dtk", "tensorflow", "tf_keras"}
+    assert "mesh batch=8: 8 CPU devices" in out
+    assert "Training drops 25 of 24345 examples" in out
+    assert "test accuracy" in out
+
+
+@pytest.mark.parametrize("mesh, layout", [("batch=1", None), ("batch=4,model=2", "mlp_model_parallel")])
+def test_losses_match_across_meshes(tmp_path, batch8, mesh, layout):
+    flags = ["--mesh", mesh, "--epochs", "2", "--max_steps", "30", "--global_batch_size", "256"]
+    if layout:
+        flags += ["--layout", layout]
+    summary, _ = _train(tmp_path, "other", *flags)
+    want = batch8[0]
+    np.testing.assert_allclose(summary["train_loss"], want["train_loss"], rtol=1e-4)
+    np.testing.assert_allclose(summary["test_loss"], want["test_loss"], rtol=1e-4)
+    assert summary["test_examples"] == 10_000
+
+
+def test_resume_matches_uninterrupted(tmp_path):
+    common = ["--mesh", "batch=8", "--epochs", "2", "--global_batch_size", "1024",
+              "--checkpoint_dir", str(tmp_path / "ckpt")]
+    # 23 steps per epoch; stop in epoch 2, then resume to the end.
+    first, _ = _train(tmp_path, "first", *common, "--max_steps", "30")
+    assert first["steps"] == 30
+    resumed, out = _train(tmp_path, "resumed", *common)
+    assert "Resumed from" in out
+    full, _ = _train(tmp_path, "full", "--mesh", "batch=8", "--epochs", "2",
+                     "--global_batch_size", "1024")
+    assert resumed["steps"] == full["steps"] == 46
+    np.testing.assert_allclose(resumed["train_loss"], full["train_loss"], rtol=1e-5)
+    np.testing.assert_allclose(resumed["test_loss"], full["test_loss"], rtol=1e-5)
+
+
+def test_export_matches_run(batch8):
+    summary, _ = batch8
+    export_dir = summary["export"]["keras"]
+    code = f"""
+import numpy as np, tf_keras
+from dtk import input as input_lib
+data = input_lib.load_mnist("test", source="idx", data_dir={DATA!r}).batch(1000)
+model = tf_keras.models.load_model({export_dir!r})
+model.compile(metrics=["sparse_categorical_accuracy"],
+              loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+loss, acc = model.evaluate(data, verbose=0)
+print("RESULT", loss, acc)
+"""
+    res = procs.run_python(code, timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loss, acc = map(float, res.stdout.split("RESULT")[1].split())
+    assert acc == pytest.approx(summary["test_accuracy"], abs=1e-6)
+    assert loss == pytest.approx(summary["test_loss"], rel=1e-5)
+
+
+def test_explain_layouts_prints_and_exits():
+    res = _run("--mesh", "batch=4,model=2", "--layout", "mlp_model_parallel", "--explain_layouts",
+               "--dataset", "idx", "--data_dir", DATA)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "d1.kernel" in res.stdout and "model" in res.stdout
+
+
+def test_offline_tfds_fails_in_one_line(tmp_path):
+    res = _run("--mesh", "batch=8", "--dataset", "tfds", "--data_dir", str(tmp_path), timeout=120,
+               env=procs.base_env(DTK_OFFLINE="1"))
+    assert res.returncode != 0
+    lines = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "--dataset idx --data_dir" in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--mesh", "batch=16"], "needs 16 devices"),
+    (["--mesh", "batch8"], "--mesh"),
+    (["--model", "resnet"], "resnet"),
+    (["--layout", "no_such_table"], "no_such_table"),
+    (["--optimizer", "adamm"], "--optimizer 'adamm' is unknown"),
+    (["--global_batch_size", "100"], "not divisible by mesh axis 'batch' (size 8)"),
+    (["--data_dir", "/no/such/dir"], "is not a directory"),
+])
+def test_bad_flags_fail_in_one_line(flags, words):
+    args = ["--dataset", "idx", "--data_dir", DATA, "--virtual_devices", "8"]
+    res = _run(*args, *flags, timeout=120)
+    assert res.returncode != 0
+    assert words in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
