@@ -11,6 +11,8 @@ _env.apply_safe_defaults()
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from dtk._version import __version__
 from dtk import models
+from dtk.input import Batch, DistributedDataset, InputConfig, load_mnist, pack
+from dtk.layouts import LayoutTable, build_model, explain, load_table, plan_layouts
 from dtk.checkpoint import Checkpointer, export, gather_weights, global_value
 from dtk.mesh import (
     BATCH_AXIS,
@@ -29,7 +31,11 @@ __all__ = [
     "__version__",
     "BATCH_AXIS",
     "MODEL_AXIS",
+    "Batch",
     "Checkpointer",
+    "DistributedDataset",
+    "InputConfig",
+    "LayoutTable",
     "History",
     "MeshSpec",
     "StepConfig",
@@ -37,14 +43,20 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "build_mesh",
+    "build_model",
     "configure_virtual_cpus",
     "describe_mesh",
+    "explain",
     "export",
     "gather_weights",
     "global_value",
+    "load_mnist",
+    "load_table",
     "make_loss",
     "make_metrics",
     "make_optimizer",
     "models",
+    "pack",
     "parse_mesh_spec",
+    "plan_layouts",
 ]

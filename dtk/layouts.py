@@ -304,8 +304,11 @@ def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
     The factory is called once outside any layout scope, to read weight paths and shapes from
     ordinary variables.
     """
-    table = load_table(table)
-    model = model_factory()
+    return _plan_model(load_table(table), mesh, model_factory(), strict=strict)
+
+
+def _plan_model(table: LayoutTable, mesh: dtensor.Mesh, model: tf_keras.Model, *,
+                strict: bool) -> LayoutPlan:
     weights = [(path, tuple(v.shape), v.dtype) for path, v in weight_paths(model)]
     if not weights:
         raise ValueError("model_factory built a model with no weights; build it (give the first "
@@ -330,22 +333,34 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 ) -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
 
-    Plans (and validates) first, then seeds with ``tf_keras.utils.set_random_seed(seed)`` and
-    builds under the layouts, so the initial weights equal those of
-    ``set_random_seed(seed); model_factory()`` on one device (the parity tests rely on it).
+    Seeds with ``tf_keras.utils.set_random_seed(seed)``, builds the model once plainly (its weight
+    paths and shapes are planned and validated before any DTensor variable exists), then builds
+    it under the planned layouts and copies the plain build's initial values in, so the initial
+    weights equal ``set_random_seed(seed); model_factory()`` on one device exactly (the parity
+    tests rely on it). The plain copy is held on the host only while building.
 
-    DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` runs unfused
-    (DTensor's fused kernel has no layout propagation); Dropout and other random layers use
+    DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` and
+    ``BatchNormalization`` run unfused (DTensor's fused kernel has no layout propagation;
+    batch statistics are then computed over the global batch, as on one device); Dropout and other random layers use
     TensorFlow's stateful generator (``enable_tf_random_generator``), which DTensor supports.
     """
     tf_keras.backend.experimental.enable_tf_random_generator()
-    plan = plan_layouts(table, mesh, model_factory, strict=strict)
+    tf_keras.utils.set_random_seed(seed)
+    reference = model_factory()  # plain: gives the weight paths and the initial values
+    plan = _plan_model(load_table(table), mesh, reference, strict=strict)
     tf_keras.utils.set_random_seed(seed)
     with _PlannedLayoutMap(plan, mesh).scope():
         model = model_factory()
+    # Under a layout scope, initializers run in another order than in a plain build (layer by
+    # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
+    # Copying the plain build's values makes the initial weights exactly the single-device ones.
+    model.set_weights(reference.get_weights())
     for layer in model._flatten_layers():  # pylint: disable=protected-access
+        # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).
         if isinstance(layer, tf_keras.layers.LayerNormalization):
             layer._fused = False  # pylint: disable=protected-access
+        if isinstance(layer, tf_keras.layers.BatchNormalization):
+            layer.fused = False
     return model, plan
 
 
@@ -373,7 +388,7 @@ def explain(plan: LayoutPlan) -> str:
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     for warning in plan.warnings:
         lines.append(f"note: {warning}")
-    lines.append("note: LayerNormalization runs unfused and random layers use the stateful "
+    lines.append("note: Layer/BatchNormalization run unfused and random layers use the stateful "
                  "generator (DTensor requirements)")
     total = sum(w.bytes_total for w in plan.weights)
     per_device = sum(w.bytes_per_device for w in plan.weights)

@@ -146,6 +146,9 @@ class Steps:
             total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
         variables = self.model.trainable_variables
         grads = tape.gradient(total, variables)
+        # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
+        # out (ResourceScatterAdd): apply them dense.
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self._masters is None:
             self.optimizer.apply_gradients(zip(grads, variables))
         else:
