@@ -221,7 +221,19 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
             have = len(tf.config.get_logical_device_configuration(
                 tf.config.list_physical_devices("CPU")[0]) or [None])
             num_cpus = max(have, local_needed)
-    dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+    if not is_multi_client():
+        dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+        return
+    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    try:
+        with cluster.coordination_timeouts():
+            dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+    except tf.errors.OpError as e:
+        raise RuntimeError(
+            f"DTensor client {client_id()} of {num_clients()} could not join the cluster "
+            f"DTENSOR_JOBS={os.environ.get('DTENSOR_JOBS')}: {e.message.strip().splitlines()[0]}. "
+            "A client did not start, died, or cannot be reached (port in use or blocked); "
+            "every client must start within DTK_REGISTER_TIMEOUT_S seconds") from None
 
 
 def _dtensor_initialized() -> bool:
@@ -251,9 +263,14 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     Raises:
       ValueError: a bad spec or device type, a mesh larger than the devices available, a mesh not
         divisible across clients, or virtual devices requested after TensorFlow initialized.
+      RuntimeError: a multi-client cluster did not form within ``DTK_REGISTER_TIMEOUT_S``.
     """
     mesh_spec = parse_mesh_spec(spec)
     kind = resolve_device_type(device_type)
+    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    cluster.apply_scheduler_env()  # TF_CONFIG or Slurm -> DTENSOR_* when DTENSOR_JOBS is unset
+    if virtual_devices is None and kind == "CPU" and os.environ.get("DTK_VIRTUAL_DEVICES"):
+        virtual_devices = int(os.environ["DTK_VIRTUAL_DEVICES"])  # set by python -m dtk.launch
     if virtual_devices is not None and kind != "CPU":
         raise ValueError(
             f"virtual_devices={virtual_devices} only applies to CPU meshes; device type is {kind}. "
@@ -276,9 +293,15 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
             f"only {available} {kind} device(s) exist {where}; {fix}")
     local_devices = [f"{kind}:{i}" for i in range(local_needed)]
     if clients > 1:
-        return dtensor.create_distributed_mesh(
+        mesh = dtensor.create_distributed_mesh(
             list(mesh_spec.axes), local_devices=local_devices, device_type=kind)
-    return dtensor.create_mesh(list(mesh_spec.axes), devices=local_devices, device_type=kind)
+    else:
+        mesh = dtensor.create_mesh(list(mesh_spec.axes), devices=local_devices, device_type=kind)
+    ready = os.environ.get("DTK_READY_FILE")
+    if ready:  # tells python -m dtk.launch that this client joined the cluster
+        with open(ready, "w") as f:
+            f.write(describe_mesh(mesh))
+    return mesh
 
 
 def mesh_axis_sizes(mesh: dtensor.Mesh) -> dict[str, int]:

@@ -31,6 +31,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk import checkpoint as ckpt_lib
+from dtk import cluster
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
 from dtk.steps import StepConfig, Steps
@@ -140,6 +141,10 @@ class Trainer:
         else:
             raise ValueError(f"model must be a tf_keras.Model or a factory returning one; got "
                              f"{type(model).__name__}")
+        if mesh_lib.num_clients() > 1:  # replicated weights silently diverge if seeds differ
+            checksum = float(sum(np.sum(w, dtype=np.float64) for w in ckpt_lib.gather_weights(
+                self.model)))
+            cluster.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
         self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
                            config=StepConfig(jit_compile=config.jit_compile,
                                              steps_per_execution=config.steps_per_execution,

@@ -1,0 +1,54 @@
+"""A small DTensor training client for the multi-client tests (run by python -m dtk.launch).
+
+Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after global step N
+(once, if MC_MARKER names a file that does not exist yet; it is created); MC_NEVER_START=1 makes
+client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import dtk
+from dtk import input as input_lib
+
+client = int(os.environ.get("DTENSOR_CLIENT_ID", "0"))
+if client == 1 and os.environ.get("MC_NEVER_START"):
+    time.sleep(600)
+    sys.exit(3)
+
+import tensorflow as tf  # noqa: E402
+
+mesh = dtk.build_mesh("batch=8", device_type="cpu")
+rng = np.random.default_rng(0)
+data = tf.data.Dataset.from_tensor_slices((rng.random((512, 28, 28, 1), dtype=np.float32),
+                                           rng.integers(0, 10, 512).astype(np.int64)))
+train = input_lib.DistributedDataset(data, mesh, input_lib.InputConfig(
+    global_batch_size=64, shuffle=True, seed=1))
+trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout="data_parallel",
+                      optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
+                      config=dtk.TrainerConfig(seed=int(os.environ.get("MC_SEED", "0")),
+                                               checkpoint_dir=os.environ.get("MC_CKPT") or None,
+                                               verbose=0))
+
+
+def maybe_die(step):
+    kill_at, marker = os.environ.get("MC_KILL_AT"), os.environ.get("MC_MARKER")
+    if client == 1 and kill_at and step >= int(kill_at) and not (marker and os.path.exists(marker)):
+        if marker:
+            open(marker, "w").close()
+        print(f"client 1 kills itself at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kill_at:
+        time.sleep(0.05)  # slow down so the kill lands mid-training
+
+
+history = trainer.fit(train, epochs=3, on_step_end=[maybe_die])
+if client == 0 and os.environ.get("MC_OUT"):
+    with open(os.environ["MC_OUT"], "w") as f:
+        json.dump(history.history, f)
+print("DONE", history.history["loss"], flush=True)

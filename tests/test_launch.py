@@ -1,0 +1,112 @@
+"""python -m dtk.launch: 2 clients x 4 CPUs reproduce 1 x 8, faults fail fast, restarts resume."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests import procs
+
+pytestmark = pytest.mark.slow
+CLIENT = str(procs.REPO / "tests" / "mc_client.py")
+TIMEOUT = 240
+
+
+def _launch(*args, env=None, timeout=TIMEOUT):
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "dtk.launch", *args], capture_output=True,
+                         text=True, timeout=timeout, env=env or procs.base_env(), cwd=procs.REPO)
+    return res, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "losses.json"
+    res = subprocess.run([sys.executable, CLIENT], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=procs.base_env(MC_OUT=str(out)), cwd=procs.REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_two_clients_match_one_process(tmp_path, single_process):
+    out = tmp_path / "losses.json"
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
+                     CLIENT, env=procs.base_env(MC_OUT=str(out)))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "[client 0] DONE" in res.stdout and "[client 1] DONE" in res.stdout
+    got = json.loads(out.read_text())
+    np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], single_process["accuracy"], rtol=1e-6)
+
+
+def test_killed_client_stops_the_group_fast():
+    res, took = _launch("--num_clients", "2", "--", sys.executable, CLIENT,
+                        env=procs.base_env(MC_KILL_AT="3"))
+    assert res.returncode == 128 + 9
+    assert "client 1 was killed by SIGKILL; stopping the other clients" in res.stderr
+    killed_at = res.stdout.index("client 1 kills itself")
+    assert killed_at >= 0
+    assert took < 90   # start-up (~10 s) + training to step 3 + teardown (< 15 s)
+
+
+def test_restart_resumes_from_checkpoint(tmp_path, single_process):
+    out = tmp_path / "losses.json"
+    env = procs.base_env(MC_KILL_AT="12", MC_MARKER=str(tmp_path / "killed"),
+                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out))
+    res, _ = _launch("--num_clients", "2", "--max_restarts", "1", "--", sys.executable, CLIENT,
+                     env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "restarting the group (1 restart(s) left)" in res.stderr
+    assert "Resumed from" not in res.stderr  # verbose=0; the losses tell
+    got = json.loads(out.read_text())
+    np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
+
+
+def test_client_that_never_starts():
+    res, took = _launch("--num_clients", "2", "--start_timeout", "20", "--", sys.executable,
+                        CLIENT, env=procs.base_env(MC_NEVER_START="1"))
+    assert res.returncode == 124
+    # Client 0 waits for client 1, so it has not joined either.
+    assert re.search(r"client\(s\) \[(0, )?1\] did not join the cluster \(build the mesh\) "
+                     r"within 20 s", res.stderr), res.stderr[-2000:]
+    assert took < 60
+
+
+def test_port_in_use_fails_within_the_deadline():
+    """Without the launcher: client 1's port is taken; both clients fail instead of hanging."""
+    blocker = socket.socket()
+    blocker.bind(("", 0))
+    blocker.listen()
+    port0 = procs.free_ports(1)[0]
+    jobs = f"localhost:{port0},localhost:{blocker.getsockname()[1]}"
+    code = "import dtk; dtk.build_mesh('batch=8', device_type='cpu', virtual_devices=4)"
+    start = time.monotonic()
+    try:
+        clients = [subprocess.Popen([sys.executable, "-c", code], cwd=procs.REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=procs.base_env(DTENSOR_JOBS=jobs, DTENSOR_CLIENT_ID=str(i),
+                                                       DTENSOR_JOB_NAME="worker",
+                                                       DTK_REGISTER_TIMEOUT_S="10"))
+                   for i in range(2)]
+        results = [c.communicate(timeout=90) for c in clients]
+    finally:
+        blocker.close()
+        for c in clients:
+            if c.poll() is None:
+                c.kill()
+    assert time.monotonic() - start < 60
+    for c, (_, err) in zip(clients, results):
+        assert c.returncode != 0
+    assert "could not join the cluster" in results[0][1]
+
+
+def test_bad_launch_arguments():
+    res, _ = _launch("--num_clients", "0", "--", "true", timeout=30)
+    assert res.returncode == 2 and "num_clients must be at least 1" in res.stderr
+    res, _ = _launch("--num_clients", "2", timeout=30)
+    assert res.returncode == 2 and "no command to launch" in res.stderr
