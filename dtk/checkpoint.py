@@ -3,11 +3,13 @@
 A dtk checkpoint holds the model's weights, the optimizer's state (slots, iteration count), the
 running metric states (so a run stopped mid-epoch resumes with the same epoch averages) and a small
 JSON record of the loop's position (epoch, batch in epoch, history). It is a
-``tf.train.Checkpoint`` driven by a ``tf.train.CheckpointManager``:
+``tf.train.Checkpoint`` with a small manager of dtk's own:
 
-* Atomic: the data files of a new checkpoint are written first; the ``checkpoint`` state file that
-  names the latest one is replaced atomically afterwards. A crash mid-save leaves the previous
-  checkpoint as the latest, and restore uses it.
+* Atomic: the data files of a new checkpoint are written and waited for first (DTensor runs ops
+  asynchronously: ``tf.train.CheckpointManager`` could record a checkpoint whose files were not
+  complete yet, and a kill at that moment left a checkpoint that could not be read); then the
+  ``checkpoint`` state file that names the latest one is replaced atomically. A crash mid-save
+  leaves the previous checkpoint as the latest, and restore uses it.
 * Mesh-independent: values are saved as global tensors, so a checkpoint from ``batch=8`` restores
   into ``batch=4,model=2`` (and into a plain, single-device model).
 * Multi-client: every client must call ``save`` with the same shared directory (DTensor writes each
@@ -29,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
+from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 
 from dtk import mesh as mesh_lib
@@ -69,18 +72,38 @@ class Checkpointer:
         self._state = _JsonState()
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                metrics=list(metrics), loop=self._state)
-        self._manager = tf.train.CheckpointManager(self._checkpoint, self.directory,
-                                                   max_to_keep=max_to_keep)
+        _ = self._checkpoint.save_counter  # created now, so every checkpoint holds it
+        self.max_to_keep = max_to_keep
+        state = tf.train.get_checkpoint_state(self.directory)
+        self._paths = list(state.all_model_checkpoint_paths) if state else []
 
     @property
     def latest(self) -> str | None:
         """Path prefix of the newest complete checkpoint, or None."""
-        return self._manager.latest_checkpoint
+        return tf.train.latest_checkpoint(self.directory)
 
     def save(self, state: dict[str, Any], *, step: int) -> str:
-        """Writes a checkpoint numbered ``step`` with the JSON-serializable loop ``state``."""
+        """Writes checkpoint ``ckpt-<step>`` with the JSON-serializable loop ``state``.
+
+        The data files are written and waited for first (DTensor runs ops asynchronously); only
+        then does the ``checkpoint`` file, replaced atomically, name the new checkpoint. Older
+        checkpoints beyond ``max_to_keep`` are deleted after that.
+        """
         self._state.value = dict(state)
-        return self._manager.save(checkpoint_number=step)
+        os.makedirs(self.directory, exist_ok=True)
+        path = self._checkpoint.write(os.path.join(self.directory, f"ckpt-{step}"))
+        context.async_wait()
+        if not tf.io.gfile.exists(path + ".index"):
+            raise RuntimeError(f"checkpoint {path} was not written completely (no {path}.index)")
+        self._paths = [p for p in self._paths if p != path] + [path]
+        stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
+        checkpoint_management.update_checkpoint_state_internal(
+            save_dir=self.directory, model_checkpoint_path=path,
+            all_model_checkpoint_paths=self._paths, save_relative_paths=True)
+        for old in stale:  # only once the new checkpoint is recorded
+            for f in tf.io.gfile.glob(old + ".*"):
+                tf.io.gfile.remove(f)
+        return path
 
     def restore(self, path: str | None = None) -> dict[str, Any] | None:
         """Restores ``path`` (default: the latest); returns the loop state, or None if none exists.

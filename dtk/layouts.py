@@ -349,12 +349,15 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     reference = model_factory()  # plain: gives the weight paths and the initial values
     plan = _plan_model(load_table(table), mesh, reference, strict=strict)
     tf_keras.utils.set_random_seed(seed)
-    with _PlannedLayoutMap(plan, mesh).scope():
+    layout_map = _PlannedLayoutMap(plan, mesh)
+    with layout_map.scope():
         model = model_factory()
+    _lay_out_autocast_variables(model, layout_map)
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
     # Copying the plain build's values makes the initial weights exactly the single-device ones.
-    model.set_weights(reference.get_weights())
+    for variable, value in zip(model.weights, reference.get_weights()):
+        _assign_global(variable, value)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).
         if isinstance(layer, tf_keras.layers.LayerNormalization):
@@ -362,6 +365,29 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+def _assign_global(variable: tf.Variable, value) -> None:
+    """Assigns a global numpy value to a (possibly sharded, possibly autocast) DTensor variable."""
+    target = getattr(variable, "_variable", variable)
+    layout = dtensor.fetch_layout(target)
+    tensor = dtensor.copy_to_mesh(tf.constant(value, dtype=target.dtype),
+                                  dtensor.Layout.replicated(layout.mesh, layout.rank))
+    target.assign(dtensor.relayout(tensor, layout))
+
+
+def _lay_out_autocast_variables(model: tf_keras.Model, layout_map: _PlannedLayoutMap) -> None:
+    """Lays out weights that tf_keras' LayoutMap misses under a mixed-precision policy.
+
+    LayoutMap replaces the lazy variables it finds, but not those wrapped in an
+    ``AutoCastVariable`` (every weight of a ``mixed_bfloat16`` layer); dtk creates them.
+    """
+    from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    for path, variable in weight_paths(model):
+        inner = getattr(variable, "_variable", None)
+        if inner is not None and keras_layout_map._is_lazy_init_variable(inner):  # pylint: disable=protected-access
+            variable._variable = keras_layout_map._create_dvariable(  # pylint: disable=protected-access
+                layout_map, path, inner)
 
 
 # -- explainer ------------------------------------------------------------------------------------

@@ -102,12 +102,13 @@ def run(fn: Callable[[], Any], *, num_clients: int, devices_per_client: int | No
     if not ray.is_initialized():
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
                  num_cpus=max(2, num_clients), log_to_driver=True)
-    for attempt in range(config.max_restarts + 1):
+    attempt = 0
+    while True:
         try:
             return _run_group(ray, fn, config, timeout_s)
         except (ClientFailedError, TimeoutError) as e:
             if attempt == config.max_restarts:
                 raise
-            print(f"dtk.ray_backend: attempt {attempt + 1} failed ({e}); restarting the group",
+            attempt += 1
+            print(f"dtk.ray_backend: attempt {attempt} failed ({e}); restarting the group",
                   flush=True)
-    raise AssertionError("unreachable")

@@ -118,7 +118,9 @@ class Steps:
                                   name=v._shared_name)  # pylint: disable=protected-access
                 for v, layout in zip(variables, self._master_layouts)]
         # Build optimizer slots eagerly so checkpoints can restore them before the first step.
-        self.optimizer.build(self._masters or model.trainable_variables)
+        # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
+        self.optimizer.build(self._masters or [getattr(v, "_variable", v)
+                                               for v in model.trainable_variables])
         self._train = self._compile(self._train_body, "train", stacked=config.steps_per_execution > 1)
         self._evaluate = self._compile(self._eval_body, "evaluate", stacked=False)
         self._predict = tf.function(self._predict_body, jit_compile=config.jit_compile)

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from dtk.launch import free_ports  # noqa: F401  (re-exported for the tests)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def base_env(**overrides: str) -> dict[str, str]:
-    """The current environment without DTensor client variables, plus ``overrides``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DTENSOR_")}
+    """The current environment without cluster variables (DTensor, Slurm, TF_CONFIG, dtk), plus overrides."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DTENSOR_", "SLURM_", "DTK_")) and k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(overrides)
@@ -26,20 +28,6 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
     """Runs ``python -c code`` in a fresh process with a timeout; returns the completed process."""
     return subprocess.run([sys.executable, "-c", code, *args], env=env or base_env(),
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def run_clients(code: str, num_clients: int, *, timeout: float = 180,

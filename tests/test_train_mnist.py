@@ -134,3 +134,36 @@ def test_bad_flags_fail_in_one_line(flags, words):
     assert res.returncode != 0
     assert words in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_killed_run_resumes(tmp_path):
+    """Kill the run (SIGKILL) once its epoch-1 checkpoint exists, re-run: same result."""
+    import signal
+    import time
+    ckpt = tmp_path / "ckpt"
+    base = ["--mesh", "batch=8", "--epochs", "2", "--global_batch_size", "256"]
+    data = ["--dataset", "idx", "--data_dir", DATA]
+    proc = subprocess.Popen([sys.executable, SCRIPT, *base, *data, "--checkpoint_dir", str(ckpt)],
+                            env=procs.base_env(),
+                            cwd=procs.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (ckpt / "checkpoint").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    resumed, out = _train(tmp_path, "resumed", *base, "--checkpoint_dir", str(ckpt))
+    assert "Resumed from" in out
+    full, _ = _train(tmp_path, "full", *base)
+    assert resumed["steps"] == full["steps"] == 2 * 95
+    np.testing.assert_allclose(resumed["train_loss"], full["train_loss"], rtol=1e-5)
+    np.testing.assert_allclose(resumed["test_loss"], full["test_loss"], rtol=1e-5)
+
+
+def test_mixed_precision_trains(tmp_path, batch8):
+    summary, _ = _train(tmp_path, "bf16", "--mesh", "batch=8", "--epochs", "2", "--max_steps", "30",
+                        "--global_batch_size", "256", "--mixed_precision")
+    np.testing.assert_allclose(summary["train_loss"], batch8[0]["train_loss"], rtol=5e-2)
+    assert summary["test_accuracy"] > 0.8

@@ -185,3 +185,11 @@ def test_bad_arguments():
         dtk.TrainerConfig(max_steps=0)
     with pytest.raises(ValueError, match="layout applies only when model is a factory"):
         dtk.Trainer(mesh=trainer.mesh, model=trainer.model, layout="data_parallel")
+
+
+def test_keeps_the_last_checkpoints(tmp_path):
+    trainer = _trainer(checkpoint_dir=str(tmp_path), max_to_keep=2)
+    trainer.fit(_data(trainer.mesh), epochs=3)
+    kept = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "ckpt-*.index")))
+    assert kept == ["ckpt-12.index", "ckpt-18.index"]
+    assert trainer._checkpointer.latest.endswith("ckpt-18")
