@@ -110,3 +110,22 @@ def test_bad_launch_arguments():
     assert res.returncode == 2 and "num_clients must be at least 1" in res.stderr
     res, _ = _launch("--num_clients", "2", timeout=30)
     assert res.returncode == 2 and "no command to launch" in res.stderr
+
+
+def test_train_mnist_two_clients_match_one_process(tmp_path):
+    script = str(procs.REPO / "scripts" / "train_mnist.py")
+    flags = ["--mesh", "batch=8", "--dataset", "idx", "--data_dir",
+             str(procs.REPO.parent / "shared" / "data" / "mnist"), "--epochs", "2",
+             "--max_steps", "30", "--global_batch_size", "256"]
+    one = subprocess.run([sys.executable, script, *flags, "--summary_json", str(tmp_path / "1.json")],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=procs.base_env(),
+                         cwd=procs.REPO)
+    assert one.returncode == 0, one.stderr[-3000:]
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
+                     script, *flags, "--summary_json", str(tmp_path / "2.json"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    want, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in (1, 2))
+    assert (want["num_clients"], got["num_clients"]) == (1, 2)
+    np.testing.assert_allclose(got["train_loss"], want["train_loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["test_loss"], want["test_loss"], rtol=1e-6)
+    assert got["test_examples"] == want["test_examples"] == 10_000
