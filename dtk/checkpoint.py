@@ -60,15 +60,19 @@ class Checkpointer:
       optimizer: its optimizer, built (``optimizer.build(vars)``) so slots restore before step one.
       metrics: metric objects whose running state is saved too.
       max_to_keep: how many checkpoints to keep.
+      mesh: the model's mesh; in a multi-client run, saves wait at a barrier on it, and client 0
+        alone records the checkpoint once every client's shards are written.
     """
 
     def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
-                 metrics: Sequence[Any] = (), max_to_keep: int = 3):
+                 metrics: Sequence[Any] = (), max_to_keep: int = 3,
+                 mesh: dtensor.Mesh | None = None):
         if not directory:
             raise ValueError("checkpoint directory is empty; give a path")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1; got {max_to_keep}")
         self.directory = os.fspath(directory)
+        self._mesh = mesh
         self._state = _JsonState()
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                metrics=list(metrics), loop=self._state)
@@ -93,10 +97,15 @@ class Checkpointer:
         os.makedirs(self.directory, exist_ok=True)
         path = self._checkpoint.write(os.path.join(self.directory, f"ckpt-{step}"))
         context.async_wait()
-        if not tf.io.gfile.exists(path + ".index"):
-            raise RuntimeError(f"checkpoint {path} was not written completely (no {path}.index)")
+        if self._mesh is not None and mesh_lib.num_clients() > 1:
+            # Every client's shards are written before client 0 records the checkpoint.
+            dtensor.barrier(self._mesh, "dtk-checkpoint", timeout_in_ms=600_000)
         self._paths = [p for p in self._paths if p != path] + [path]
         stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
+        if mesh_lib.client_id() != 0:
+            return path
+        if not tf.io.gfile.exists(path + ".index"):
+            raise RuntimeError(f"checkpoint {path} was not written completely (no {path}.index)")
         checkpoint_management.update_checkpoint_state_internal(
             save_dir=self.directory, model_checkpoint_path=path,
             all_model_checkpoint_paths=self._paths, save_relative_paths=True)

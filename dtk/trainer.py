@@ -157,7 +157,7 @@ class Trainer:
             self._checkpointer = ckpt_lib.Checkpointer(
                 config.checkpoint_dir, model=self.model, optimizer=self.optimizer,
                 metrics=[self.steps.loss_metric, *self.steps.metrics],
-                max_to_keep=config.max_to_keep)
+                max_to_keep=config.max_to_keep, mesh=mesh)
 
     # -- training ---------------------------------------------------------------------------------
     @property
