@@ -2,6 +2,8 @@
 
     python scripts/bench.py                       # both workloads, all variants, table + JSON lines
     python scripts/bench.py --workloads mlp --repeats 3 --plot bench.png
+    python scripts/bench.py --workloads mlp --variants dtk_batch8_zero_spe   # one variant + floor
+    python scripts/bench.py --breakdown --workloads mlp   # where the time goes, in one process
 
 Every variant runs in its own subprocess (virtual devices are per process), the variants alternate
 within each repeat (so machine noise hits them alike), each process warms up before timing, and
@@ -17,6 +19,11 @@ optimizer updates), which is also paid on GPUs and TPUs.
 Workloads: ``mlp`` is the MNIST MLP (784-128-10) at global batch 128; ``heavy`` is 784-1024-1024-10
 at global batch 1024. All variants train with Adam on random MNIST-shaped data, pre-packed (input
 packing is measured by ``scripts/bench_input.py``).
+
+``--breakdown`` times pieces of one step in a single process on 8 virtual CPUs, alternating them
+call by call (ratios within one process are far steadier than across processes): the floor and its
+forward and forward+backward+SGD parts on one device, the same parts under DTensor on ``batch=8``,
+the whole dtk step (replicated and ZeRO-style), and the gradient all-reduces alone.
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ VARIANTS = {
     "dtk_batch8": "dtk Steps, mesh batch=8",
     "dtk_batch8_spe": "dtk Steps, mesh batch=8, steps_per_execution=10",
     "dtk_batch8_zero": "dtk Steps, mesh batch=8, shard_optimizer_state (ZeRO-style update)",
+    "dtk_batch8_zero_spe": "dtk Steps, mesh batch=8, shard_optimizer_state, steps_per_execution=10",
     "dtk_batch4_model2": "dtk Steps, mesh batch=4,model=2 (mlp_model_parallel)",
 }
+# Run by default; the rest with --variants (the whole default run stays under 10 minutes here).
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "dtk_batch8_zero_spe"]
 WORKER_TIMEOUT_S = 300
 
 
@@ -59,7 +69,7 @@ def _timed(fn, steps, per_call=1):
     start = time.perf_counter()
     float(fn())
     first = time.perf_counter() - start
-    for _ in range(3):
+    for _ in range(3 if per_call == 1 else 1):  # warm-up: at least 3 steps
         float(fn())
     times = []
     for _ in range(max(1, steps // per_call)):
@@ -77,7 +87,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
 
     spec = WORKLOADS[workload]
     batch, hidden = spec["batch"], spec["hidden"]
-    spe = 10 if variant.endswith("_spe") else 1
+    spe = 10 if "_spe" in variant else 1
     rng = np.random.default_rng(0)
     x = rng.random((spe, batch, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, (spe, batch)).astype(np.int64)
@@ -135,7 +145,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
                               metrics=["accuracy"], mesh=mesh,
                               config=dtk.StepConfig(
                                   steps_per_execution=spe,
-                                  shard_optimizer_state=variant.endswith("_zero")))
+                                  shard_optimizer_state="_zero" in variant))
         packed = (input_lib.pack(mesh, (x, y, w), stacked=True) if spe > 1
                   else input_lib.pack(mesh, (x[0], y[0], w[0])))
         build_s = time.perf_counter() - start
@@ -143,6 +153,114 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         first += build_s
     return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
             "first_step_s": first, "timed_steps": len(times) * spe}
+
+
+# -- breakdown (one process) ---------------------------------------------------------------------
+def _breakdown(workload: str, iters: int) -> list[tuple[str, float]]:
+    """Median ms per call of each piece of a step, all timed in this process, alternating."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    dtk.configure_virtual_cpus(8)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+
+    spec = WORKLOADS[workload]
+    batch, hidden = spec["batch"], spec["hidden"]
+    rng = np.random.default_rng(0)
+    x = rng.random((batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, batch).astype(np.int64)
+    loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def parts(model, loss_of, batch_args):
+        """Forward+loss, and forward+backward+SGD (no optimizer state), as tf.functions."""
+        @tf.function
+        def forward(*b):
+            return loss_of(model, *b)
+
+        @tf.function
+        def sgd(*b):
+            with tf.GradientTape() as tape:
+                loss = loss_of(model, *b)
+            for v, g in zip(model.trainable_variables,
+                            tape.gradient(loss, model.trainable_variables)):
+                v.assign_sub(1e-3 * g)
+            return loss
+        return (lambda: forward(*batch_args)), (lambda: sgd(*batch_args))
+
+    tf_keras.utils.set_random_seed(0)
+    with tf.device("/cpu:0"):
+        plain = _model(tf_keras, hidden)
+        opt = tf_keras.optimizers.Adam()
+        acc = tf_keras.metrics.SparseCategoricalAccuracy()
+
+        @tf.function
+        def floor(xb, yb):
+            with tf.GradientTape() as tape:
+                logits = plain(xb, training=True)
+                loss = loss_obj(yb, logits)
+            grads = tape.gradient(loss, plain.trainable_variables)
+            opt.apply_gradients(zip(grads, plain.trainable_variables))
+            acc.update_state(yb, logits)
+            return loss
+        xb, yb = tf.constant(x), tf.constant(y)
+    plain_fwd, plain_sgd = parts(plain, lambda m, a, b: loss_obj(b, m(a, training=True)), (xb, yb))
+
+    mesh = dtk.build_mesh("batch=8")
+    packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
+
+    def dtk_steps(shard):
+        model, _ = layouts.build_model(lambda: _model(tf_keras, hidden), mesh,
+                                       layouts.load_table("data_parallel"), seed=0)
+        return dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
+                         metrics=["accuracy"], mesh=mesh,
+                         config=dtk.StepConfig(shard_optimizer_state=shard))
+    replicated, zero = dtk_steps(False), dtk_steps(True)
+    dt_fwd, dt_sgd = parts(replicated.model,
+                           lambda m, a, b, w: replicated._weighted_loss(  # pylint: disable=protected-access
+                               b, m(a, training=True), w)[0], packed)
+    # The gradient all-reduces alone: summing [8, *shape] batch-sharded partials of every weight.
+    partials = [dtensor.call_with_layout(tf.ones, dtensor.Layout.batch_sharded(
+        mesh, "batch", v.shape.rank + 1), shape=[8, *v.shape]) for v in plain.trainable_variables]
+
+    @tf.function
+    def all_reduce(ps):
+        return tf.add_n([tf.reshape(tf.reduce_sum(p, axis=0), [-1])[0] for p in ps])
+
+    pieces = {
+        "floor: plain step, 1 device (Adam + accuracy)": lambda: floor(xb, yb),
+        "plain forward + loss": plain_fwd,
+        "plain forward + backward + SGD": plain_sgd,
+        "dtk step, batch=8 (Adam + accuracy)": lambda: replicated.train(packed),
+        "dtk step, batch=8, shard_optimizer_state": lambda: zero.train(packed),
+        "DTensor forward + loss, batch=8": dt_fwd,
+        "DTensor forward + backward + SGD, batch=8": dt_sgd,
+        "DTensor gradient all-reduces alone, batch=8": lambda: all_reduce(partials),
+    }
+    for fn in pieces.values():  # trace and warm up
+        for _ in range(3):
+            float(fn())
+    times = {name: [] for name in pieces}
+    for _ in range(iters):
+        for name, fn in pieces.items():
+            start = time.perf_counter()
+            float(fn())
+            times[name].append(1000 * (time.perf_counter() - start))
+    return [(name, statistics.median(t)) for name, t in times.items()]
+
+
+def _print_breakdown(workload: str, iters: int) -> None:
+    rows = _breakdown(workload, iters)
+    floor = rows[0][1]
+    print(f"{workload}: {iters} alternating calls of each piece, one process, 8 virtual CPUs")
+    print(f"{'ms/call':>9} {'x floor':>8}  piece")
+    for name, ms in rows:
+        print(f"{ms:9.2f} {ms / floor:8.2f}  {name}")
+    for name, ms in rows:
+        print(json.dumps({"workload": workload, "piece": name, "ms": round(ms, 3),
+                          "ratio_to_floor": round(ms / floor, 3)}))
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -219,11 +337,14 @@ def _plot(rows: list[dict], path: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="mlp,heavy", help="comma-separated: mlp, heavy")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every variant, alternating")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--json_out", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (matplotlib)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the pieces of one step in one process instead")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -232,6 +353,11 @@ def main() -> int:
         bad = [v for v in (workloads if name == "workload" else variants) if v not in known]
         if bad:
             parser.error(f"unknown {name}(s) {bad}; choose from {', '.join(known)}")
+    if args.breakdown:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+        for workload in workloads:
+            _print_breakdown(workload, args.steps or int(2.5 * WORKLOADS[workload]["steps"]))
+        return 0
     if args.worker:
         print(json.dumps(_worker(args.worker, workloads[0],
                                  args.steps or WORKLOADS[workloads[0]]["steps"])))

@@ -42,6 +42,8 @@ flags.DEFINE_string("optimizer", None, "Optimizer name: sgd, adam, adamw, rmspro
                     "(default: sgd for mlp, adam for cnn).")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data order (identical on every client).")
 flags.DEFINE_integer("steps_per_execution", 1, "Training steps per compiled call.")
+flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO-style update: shard optimizer state and "
+                  "the weight update over the batch axis (same numbers, less memory, faster).")
 flags.DEFINE_bool("mixed_precision", False, "Compute in bfloat16 (mixed_bfloat16 policy).")
 flags.DEFINE_string("checkpoint_dir", None, "Save every epoch here; re-running with it resumes.")
 flags.DEFINE_string("export_dir", None, "Write the trained model as .keras and SavedModel here.")
@@ -154,6 +156,7 @@ def run() -> dict:
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         config=dtk.TrainerConfig(
             seed=FLAGS.seed, steps_per_execution=FLAGS.steps_per_execution,
+            shard_optimizer_state=FLAGS.shard_optimizer_state,
             checkpoint_dir=FLAGS.checkpoint_dir, tensorboard_dir=FLAGS.tensorboard_dir,
             max_steps=FLAGS.max_steps, verbose=1 if lead else 0))
     if lead:

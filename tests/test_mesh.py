@@ -129,6 +129,7 @@ def test_virtual_devices_after_initialization():
 def test_combine_setting_in_force_in_this_process():
     # conftest imports dtk before TensorFlow; DTensor reads this variable at trace time.
     assert os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"] == "0"
+    assert os.environ["LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"] == "1"
 
 
 def test_import_sets_combine_setting_and_respects_user():
@@ -140,14 +141,19 @@ def test_import_sets_combine_setting_and_respects_user():
             import dtk
         print(os.environ["DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"])
         print(any("combine all-reduces" in str(w.message) for w in caught))
+        print(os.environ.get("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"))
     """)
-    fresh = procs.run_python(code)
+    env = procs.base_env()
+    env.pop("LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2", None)
+    fresh = procs.run_python(code, env=env)
     assert fresh.returncode == 0, fresh.stderr
-    assert fresh.stdout.split() == ["0", "False"]
+    assert fresh.stdout.split() == ["0", "False", "1"]
     user = procs.run_python(code, env=procs.base_env(
-        DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION="1", EXPECT_WARN="1"))
+        DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION="1", EXPECT_WARN="1",
+        LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2="0"))
     assert user.returncode == 0, user.stderr
-    assert user.stdout.split() == ["1", "True"]
+    # DTensor only checks that the gather variable exists: the user's "0" is honoured by removal.
+    assert user.stdout.split() == ["1", "True", "None"]
 
 
 def test_fresh_process_creates_virtual_cpus_on_demand():

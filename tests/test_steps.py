@@ -168,6 +168,43 @@ def test_metrics_and_padding_count_only_real_examples():
     assert steps.results()["accuracy"] == 0.0
 
 
+class _ScaleIfLarge(tf_keras.layers.Layer):
+    """A layer with Python control flow on a tensor value: it needs AutoGraph to trace."""
+
+    def call(self, inputs):
+        if tf.reduce_max(inputs) > 1e6:
+            inputs = inputs * 1e-6
+        return inputs
+
+
+def _clipped_loss(labels, logits):
+    """A loss function with Python control flow on a tensor value."""
+    per_example = tf_keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    if tf.reduce_min(per_example) < 0.0:
+        per_example = tf.zeros_like(per_example)
+    return per_example
+
+
+def test_user_code_is_converted_by_autograph():
+    """dtk traces its own step code without AutoGraph (faster first step); user code still gets it."""
+    x, y, w = _data(n=2)
+    x[1] *= 1e7  # takes the layer's branch
+    factory = lambda: tf_keras.Sequential([  # noqa: E731
+        tf_keras.layers.Flatten(input_shape=(28, 28, 1)), _ScaleIfLarge(),
+        tf_keras.layers.Dense(10, name="out")])
+    mesh = dtk.build_mesh("batch=8")
+    model, _ = layouts.build_model(factory, mesh, layouts.load_table("data_parallel"), seed=7)
+    steps = dtk.Steps(model, loss=_clipped_loss, optimizer="sgd", mesh=mesh)
+    tf_keras.utils.set_random_seed(7)
+    plain = factory()
+    for i in range(2):
+        got = float(steps.evaluate(input_lib.pack(mesh, (x[i], y[i], w[i]))))
+        want = float(tf.reduce_mean(_clipped_loss(y[i], plain(x[i]))))
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+    steps.train(input_lib.pack(mesh, (x[0], y[0], w[0])))
+    np.testing.assert_allclose(dtk.gather_weights(steps.model)[0].shape, (784, 10))
+
+
 @pytest.mark.slow
 def test_combine_setting_left_on_breaks_parity():
     """Why dtk sets DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION=0: with it on, SGD drifts."""

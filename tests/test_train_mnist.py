@@ -56,11 +56,13 @@ def test_summary_fields_and_output(batch8):
     assert "test accuracy" in out
 
 
-@pytest.mark.parametrize("mesh, layout", [("batch=1", None), ("batch=4,model=2", "mlp_model_parallel")])
-def test_losses_match_across_meshes(tmp_path, batch8, mesh, layout):
-    flags = ["--mesh", mesh, "--epochs", "2", "--max_steps", "30", "--global_batch_size", "256"]
-    if layout:
-        flags += ["--layout", layout]
+@pytest.mark.parametrize("mesh, extra", [
+    ("batch=1", []), ("batch=4,model=2", ["--layout", "mlp_model_parallel"]),
+    ("batch=8", ["--shard_optimizer_state"]),
+    ("batch=4,model=2", ["--layout", "mlp_model_parallel", "--shard_optimizer_state"])])
+def test_losses_match_across_meshes(tmp_path, batch8, mesh, extra):
+    flags = ["--mesh", mesh, "--epochs", "2", "--max_steps", "30", "--global_batch_size", "256",
+             *extra]
     summary, _ = _train(tmp_path, "other", *flags)
     want = batch8[0]
     np.testing.assert_allclose(summary["train_loss"], want["train_loss"], rtol=1e-4)

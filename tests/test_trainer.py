@@ -80,15 +80,19 @@ def test_fit_matches_one_device(spec, layout):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("spe, stop_at", [(1, 8), (2, 9), (1, 6)])
-def test_resume_equals_uninterrupted(tmp_path, spe, stop_at):
-    full = _trainer(steps_per_execution=spe)
+@pytest.mark.parametrize("spe, stop_at, shard", [(1, 8, False), (2, 9, False), (1, 6, False),
+                                                 (1, 8, True)])
+def test_resume_equals_uninterrupted(tmp_path, spe, stop_at, shard):
+    # shard: the ZeRO-style update keeps its own weight copies, which a restore must refresh.
+    full = _trainer(steps_per_execution=spe, shard_optimizer_state=shard)
     want = full.fit(_data(full.mesh, steps_per_call=spe), epochs=3).history
 
-    first = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe, max_steps=stop_at)
+    first = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe, max_steps=stop_at,
+                     shard_optimizer_state=shard)
     first.fit(_data(first.mesh, steps_per_call=spe), epochs=3)
     assert first.global_step == stop_at
-    second = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe)
+    second = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=spe,
+                      shard_optimizer_state=shard)
     got = second.fit(_data(second.mesh, steps_per_call=spe), epochs=3).history
     assert second.global_step == 18
     for key in ("loss", "accuracy"):
