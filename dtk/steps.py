@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,8 +85,15 @@ def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layo
 
 
 def _function(fn: Callable, *, jit_compile: bool) -> Callable:
-    """``tf.function`` without AutoGraph for dtk's own step code (see ``_user_code_autograph``)."""
-    return tf.function(fn, jit_compile=jit_compile, autograph=False)
+    """``tf.function`` of dtk's step code: no AutoGraph for it, AutoGraph for the user code it calls.
+
+    See ``_user_code_autograph``.
+    """
+    @functools.wraps(fn)
+    def traced(*args):
+        with _user_code_autograph():
+            return fn(*args)
+    return tf.function(traced, jit_compile=jit_compile, autograph=False)
 
 
 def _user_code_autograph():
@@ -203,24 +211,21 @@ class Steps:
 
     def _predict_body(self, features):
         self.trace_counts["predict"] += 1
-        with _user_code_autograph():
-            return self.model(features, training=False)
+        return self.model(features, training=False)
 
     def _compile(self, body: Callable, name: str, *, stacked: bool) -> Callable:
         mesh = self.mesh
 
         def one(batch):
             self.trace_counts[name] += 1
-            with _user_code_autograph():
-                return body(batch)
+            return body(batch)
 
         def many(stack):
             self.trace_counts[name] += 1
             n = tf.shape(stack[1])[0]
 
             def step(i, loss):  # pylint: disable=unused-argument
-                with _user_code_autograph():
-                    return i + 1, body(tuple(tf.gather(t, i) for t in stack))
+                return i + 1, body(tuple(tf.gather(t, i) for t in stack))
 
             _, loss = tf.while_loop(lambda i, _: i < n, step,
                                     (tf.zeros_like(n), _scalar_zero(mesh)))

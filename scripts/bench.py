@@ -64,6 +64,24 @@ def _model(tf_keras, hidden, **layer_kwargs):
     return tf_keras.Sequential(layers)
 
 
+def _floor_step(tf, tf_keras, hidden, loss_obj):
+    """The floor: a plain single-device tf.function step (Adam + accuracy), and its model."""
+    model = _model(tf_keras, hidden)
+    opt = tf_keras.optimizers.Adam()
+    acc = tf_keras.metrics.SparseCategoricalAccuracy()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = loss_obj(yb, logits)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        acc.update_state(yb, logits)
+        return loss
+    return step, model
+
+
 def _timed(fn, steps, per_call=1):
     """(first call s, per-step ms of each later call), each call synchronized by reading a value."""
     start = time.perf_counter()
@@ -98,20 +116,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     if variant == "floor":
-        model = _model(tf_keras, hidden)
-        opt = tf_keras.optimizers.Adam()
-        acc = tf_keras.metrics.SparseCategoricalAccuracy()
-
-        @tf.function
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                logits = model(xb, training=True)
-                loss = loss_obj(yb, logits)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            acc.update_state(yb, logits)
-            return loss
-
+        step, _ = _floor_step(tf, tf_keras, hidden, loss_obj)
         xb, yb = tf.constant(x[0]), tf.constant(y[0])
         first, times = _timed(lambda: step(xb, yb), steps)
     elif variant in ("keras_fit", "mirrored_fit"):
@@ -192,19 +197,7 @@ def _breakdown(workload: str, iters: int) -> list[tuple[str, float]]:
 
     tf_keras.utils.set_random_seed(0)
     with tf.device("/cpu:0"):
-        plain = _model(tf_keras, hidden)
-        opt = tf_keras.optimizers.Adam()
-        acc = tf_keras.metrics.SparseCategoricalAccuracy()
-
-        @tf.function
-        def floor(xb, yb):
-            with tf.GradientTape() as tape:
-                logits = plain(xb, training=True)
-                loss = loss_obj(yb, logits)
-            grads = tape.gradient(loss, plain.trainable_variables)
-            opt.apply_gradients(zip(grads, plain.trainable_variables))
-            acc.update_state(yb, logits)
-            return loss
+        floor, plain = _floor_step(tf, tf_keras, hidden, loss_obj)
         xb, yb = tf.constant(x), tf.constant(y)
     plain_fwd, plain_sgd = parts(plain, lambda m, a, b: loss_obj(b, m(a, training=True)), (xb, yb))
 
