@@ -14,6 +14,14 @@ JSON record of the loop's position (epoch, batch in epoch, history). It is a
   into ``batch=4,model=2`` (and into a plain, single-device model).
 * Multi-client: every client must call ``save`` with the same shared directory (DTensor writes each
   client's shards); saving from one client only "succeeds" and then fails to restore.
+* Recoverable: ``restore`` tries the newest checkpoint and, when it cannot be read (a missing or
+  truncated file, a checksum mismatch, an unreadable ``checkpoint`` state file), falls back to the
+  next older intact one and logs which one was broken and why. A directory that holds checkpoints
+  none of which can be read is an error, never a silent fresh start. Every client reads the same
+  files and so picks the same checkpoint.
+* Storage checked first: the directory is created and test-written when the ``Checkpointer`` is
+  made (a path that is a file, a read-only directory, a full disk fail before any step), and a
+  save that fails removes its partial files and keeps the previous checkpoint as the latest.
 
 Export: DTensor models cannot be saved as ``.keras`` files, so ``export`` copies the global weights
 into a plain twin built by the same model factory, and writes that as a ``.keras`` file and a
@@ -22,8 +30,12 @@ SavedModel for serving.
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
+import re
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +46,47 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 
-from dtk import mesh as mesh_lib
+from dtk import cluster
+
+_log = logging.getLogger("dtk")
+_CKPT_NAME = re.compile(r"ckpt-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be used (unwritable, or no readable checkpoint in it)."""
+
+
+def check_writable(directory: str) -> None:
+    """Creates ``directory`` and writes a test file there, so storage faults surface before training.
+
+    Raises:
+      CheckpointError: the path is a file, cannot be created, is read-only, or the disk is full.
+    """
+    probe = os.path.join(directory, f".dtk-write-test-{os.getpid()}")
+    try:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint directory {directory} is a file, not a directory; "
+                                  "give a directory path")
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 65536)  # a full disk fails here, not at the first save
+            f.flush()
+            os.fsync(f.fileno())
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is not writable: {e.strerror} "
+                              f"({e.__class__.__name__}); fix its permissions or free space, or "
+                              "give another directory") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+
+
+def _step_of(path: str) -> int:
+    match = _CKPT_NAME.search(path)
+    return int(match.group(1)) if match else -1
+
 
 
 class _JsonState(tf.train.experimental.PythonState):
@@ -72,19 +124,53 @@ class Checkpointer:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1; got {max_to_keep}")
         self.directory = os.fspath(directory)
+        check_writable(self.directory)
+        self.restored: str | None = None
         self._mesh = mesh
         self._state = _JsonState()
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
                                                metrics=list(metrics), loop=self._state)
         _ = self._checkpoint.save_counter  # created now, so every checkpoint holds it
         self.max_to_keep = max_to_keep
-        state = tf.train.get_checkpoint_state(self.directory)
-        self._paths = list(state.all_model_checkpoint_paths) if state else []
+        self._paths = [p for p in self.candidates() if os.path.exists(p + ".index")][::-1]
 
     @property
     def latest(self) -> str | None:
-        """Path prefix of the newest complete checkpoint, or None."""
-        return tf.train.latest_checkpoint(self.directory)
+        """Path prefix of the newest checkpoint on disk (whether readable or not), or None."""
+        found = self.candidates()
+        return found[0] if found else None
+
+    def _state_file_paths(self) -> list[str] | None:
+        """The checkpoints the ``checkpoint`` state file names, newest first; None if unreadable."""
+        try:
+            state = tf.train.get_checkpoint_state(self.directory)
+        except Exception as e:  # pylint: disable=broad-except  (garbage, empty: parse errors)
+            _log.warning("checkpoint state file %s cannot be read (%s); looking for checkpoints "
+                         "by their files", os.path.join(self.directory, "checkpoint"),
+                         _first_line(e))
+            return None
+        if state is None:
+            return [] if not os.path.exists(os.path.join(self.directory, "checkpoint")) else None
+        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+        return [p if os.path.isabs(p) else os.path.join(self.directory, p)
+                for p in reversed(paths) if p]
+
+    def candidates(self) -> list[str]:
+        """The checkpoints to resume from, newest (highest step) first.
+
+        Normally those the state file names (a checkpoint it does not name was not finished).
+        When the state file is unreadable, or its newest entry has no ``.index`` file, every
+        ``ckpt-N`` found on disk is added, so a damaged state file does not hide intact ones.
+        """
+        named = self._state_file_paths()
+        if named and os.path.exists(named[0] + ".index"):
+            return sorted(named, key=_step_of, reverse=True)
+        paths = set(named or [])
+        for f in glob.glob(os.path.join(glob.escape(self.directory), "ckpt-*")):
+            prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", f)
+            if _CKPT_NAME.search(prefix):
+                paths.add(prefix)
+        return sorted(paths, key=_step_of, reverse=True)
 
     def save(self, state: dict[str, Any], *, step: int) -> str:
         """Writes checkpoint ``ckpt-<step>`` with the JSON-serializable loop ``state``.
@@ -94,15 +180,28 @@ class Checkpointer:
         checkpoints beyond ``max_to_keep`` are deleted after that.
         """
         self._state.value = dict(state)
-        os.makedirs(self.directory, exist_ok=True)
-        path = self._checkpoint.write(os.path.join(self.directory, f"ckpt-{step}"))
-        context.async_wait()
-        if self._mesh is not None and mesh_lib.num_clients() > 1:
+        target = os.path.join(self.directory, f"ckpt-{step}")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            path = self._checkpoint.write(target)
+            context.async_wait()
+        except (OSError, tf.errors.OpError) as e:
+            context.async_clear_error()
+            for partial in glob.glob(glob.escape(target) + "*"):
+                if os.path.isdir(partial):
+                    shutil.rmtree(partial, ignore_errors=True)
+                else:
+                    os.remove(partial)
+            raise CheckpointError(
+                f"saving checkpoint {target} failed: {_first_line(e)}; its partial files were "
+                f"removed and {self._paths[-1] if self._paths else 'no earlier checkpoint'} stays "
+                "the latest. Free space or fix the directory, then re-run to resume") from e
+        if self._mesh is not None and cluster.num_clients() > 1:
             # Every client's shards are written before client 0 records the checkpoint.
             dtensor.barrier(self._mesh, "dtk-checkpoint", timeout_in_ms=600_000)
         self._paths = [p for p in self._paths if p != path] + [path]
         stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
-        if mesh_lib.client_id() != 0:
+        if not cluster.is_lead_client():
             return path
         if not tf.io.gfile.exists(path + ".index"):
             raise RuntimeError(f"checkpoint {path} was not written completely (no {path}.index)")
@@ -115,15 +214,48 @@ class Checkpointer:
         return path
 
     def restore(self, path: str | None = None) -> dict[str, Any] | None:
-        """Restores ``path`` (default: the latest); returns the loop state, or None if none exists.
+        """Restores ``path``, or the newest readable checkpoint; returns the loop state.
+
+        Without ``path``, broken checkpoints (unreadable files) are skipped, newest first, with a
+        warning that names each and why. Returns None only when the directory holds no checkpoint
+        files at all.
 
         Raises:
           ValueError: the checkpoint does not match the model (another architecture, missing or
             extra variables, other shapes), naming the checkpoint and what did not match.
+          CheckpointError: the directory holds checkpoints but none can be read.
         """
-        path = path or self.latest
-        if path is None:
-            return None
+        if path is not None:
+            return self._restore_one(path)
+        broken = []
+        for candidate in self.candidates():
+            problem = _unreadable(candidate)
+            if problem is None:
+                state = self._restore_one(candidate)
+                if broken:
+                    _log.warning("resuming from %s, the newest intact checkpoint", candidate)
+                return state
+            _log.warning("checkpoint %s is broken and is skipped: %s", candidate, problem)
+            broken.append(f"{os.path.basename(candidate)}: {problem}")
+        if broken:
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} holds {len(broken)} checkpoint(s) and none "
+                f"can be read ({'; '.join(broken)}). Nothing was restored or overwritten: move "
+                "them away or use a new directory, or start again on purpose "
+                "(--restart_from_scratch / TrainerConfig(restart_from_scratch=True))")
+        return None
+
+    def clear(self) -> None:
+        """Removes every checkpoint of this directory (for a deliberate restart from scratch)."""
+        for candidate in self.candidates():
+            for f in glob.glob(glob.escape(candidate) + ".*"):
+                os.remove(f)
+        state_file = os.path.join(self.directory, "checkpoint")
+        if os.path.exists(state_file):
+            os.remove(state_file)
+        self._paths = []
+
+    def _restore_one(self, path: str) -> dict[str, Any]:
         self._check_shapes(path)
         try:
             status = self._checkpoint.restore(path)
@@ -135,6 +267,7 @@ class Checkpointer:
                 f"checkpoint {path} does not match this model and optimizer: {_first_line(e)}. "
                 "It was written by another model (or another optimizer); use a new checkpoint "
                 "directory or the model that wrote it") from e
+        self.restored = path
         return dict(self._state.value)
 
 
@@ -158,8 +291,26 @@ class Checkpointer:
                 "another model; use a new checkpoint directory or the model that wrote it")
 
 
+def _unreadable(path: str) -> str | None:
+    """Why checkpoint ``path`` cannot be read, or None when every tensor in it reads back intact.
+
+    Reading every tensor on the host checks the index, the data files' lengths and their
+    checksums, before any DTensor variable is touched (a restore that fails half-way inside
+    DTensor would leave its runtime in an error state).
+    """
+    if not os.path.exists(path + ".index"):
+        return "its .index file is missing"
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except Exception as e:  # pylint: disable=broad-except  (DataLoss, OutOfRange, NotFound, ...)
+        return _first_line(e)
+    return None
+
+
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    text = [t for t in (getattr(e, "message", None) or str(e)).strip().splitlines() if t.strip()]
     return text[0][:500] if text else type(e).__name__
 
 
@@ -216,7 +367,7 @@ def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
     twin = plain_copy(model, model_factory)
     paths = {"keras": os.path.join(export_dir, "model.keras"),
              "saved_model": os.path.join(export_dir, "saved_model")}
-    if mesh_lib.client_id() == 0:
+    if cluster.is_lead_client():
         os.makedirs(export_dir, exist_ok=True)
         twin.save(paths["keras"])
         tf.saved_model.save(twin, paths["saved_model"])

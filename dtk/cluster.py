@@ -22,11 +22,90 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+
+from dtk import _env
 
 DEFAULT_PORT_BASE = 23456
 DEFAULT_REGISTER_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+JOB_NAME = "worker"
+# Variables that describe a cluster: a launcher that describes its own removes these first.
+SCHEDULER_VARIABLES = ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "DTENSOR_JOBS",
+                       "DTENSOR_CLIENT_ID", "DTENSOR_JOB_NAME")
+
+
+# -- client identity ------------------------------------------------------------------------------
+def is_multi_client() -> bool:
+    """True when ``DTENSOR_JOBS`` names the clients of a multi-client run."""
+    return bool(os.environ.get("DTENSOR_JOBS", "").strip())
+
+
+def num_clients() -> int:
+    """The number of DTensor clients (processes) in this run; 1 without ``DTENSOR_JOBS``."""
+    jobs = os.environ.get("DTENSOR_JOBS", "").strip()
+    return len([j for j in jobs.split(",") if j.strip()]) if jobs else 1
+
+
+def client_id() -> int:
+    """This process's client id (``DTENSOR_CLIENT_ID``, 0 when unset).
+
+    Raises:
+      ValueError: not an integer in ``[0, num_clients)``.
+    """
+    raw = os.environ.get("DTENSOR_CLIENT_ID", "").strip() or "0"
+    n = num_clients()
+    if not raw.isdigit() or int(raw) >= n:
+        raise ValueError(f"DTENSOR_CLIENT_ID={raw!r} is not a client id of this run: DTENSOR_JOBS "
+                         f"names {n} client(s), so it must be an integer in [0, {n - 1}]")
+    return int(raw)
+
+
+def is_lead_client() -> bool:
+    """True on client 0, the one that prints progress and writes shared files."""
+    return client_id() == 0
+
+
+# -- the client environment contract (written once) ----------------------------------------------
+def client_env(*, jobs: Sequence[str], client: int, register_timeout_s: float | None = None,
+               heartbeat_timeout_s: float | None = None, virtual_devices: int | None = None,
+               ready_file: str | None = None) -> dict[str, str]:
+    """The environment that makes a process DTensor client ``client`` of the cluster ``jobs``.
+
+    Every launcher (``dtk.launch``, the Ray backend, the TF_CONFIG and Slurm bridges, the tests)
+    builds a client's environment here, so the contract exists once.
+
+    Args:
+      jobs: ``host:port`` of every client, in client-id order.
+      client: this client's id.
+      register_timeout_s: start-up deadline (``DTK_REGISTER_TIMEOUT_S``); None leaves it unset.
+      heartbeat_timeout_s: heartbeat timeout (``DTK_HEARTBEAT_TIMEOUT_S``); None leaves it unset.
+      virtual_devices: CPU only: logical CPU devices this client creates.
+      ready_file: written when this client's mesh exists (the launcher's start-up watchdog).
+
+    Raises:
+      ValueError: no jobs, a malformed ``host:port``, or a client id outside the jobs.
+    """
+    jobs = [str(j).strip() for j in jobs]
+    if not jobs:
+        raise ValueError("jobs is empty; give the host:port of every client")
+    for job in jobs:
+        host, _, port = job.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"job address {job!r} is not host:port (e.g. 10.0.0.2:23456)")
+    if not 0 <= client < len(jobs):
+        raise ValueError(f"client id {client} is outside the {len(jobs)} jobs {jobs}")
+    env = {"DTENSOR_JOBS": ",".join(jobs), "DTENSOR_CLIENT_ID": str(client),
+           "DTENSOR_JOB_NAME": JOB_NAME}
+    if register_timeout_s is not None:
+        env[_env.REGISTER_TIMEOUT_S] = str(register_timeout_s)
+    if heartbeat_timeout_s is not None:
+        env[_env.HEARTBEAT_TIMEOUT_S] = str(heartbeat_timeout_s)
+    if virtual_devices is not None:
+        env[_env.VIRTUAL_DEVICES] = str(virtual_devices)
+    if ready_file is not None:
+        env[_env.READY_FILE] = ready_file
+    return env
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -93,8 +172,7 @@ def env_from_tf_config(tf_config: str | Mapping) -> dict[str, str]:
                          "are the chief and the workers")
     if not 0 <= client < len(jobs):
         raise ValueError(f"TF_CONFIG task {task} is outside the cluster of {len(jobs)} clients")
-    return {"DTENSOR_JOBS": ",".join(jobs), "DTENSOR_CLIENT_ID": str(client),
-            "DTENSOR_JOB_NAME": "worker"}
+    return client_env(jobs=jobs, client=client)
 
 
 def env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
@@ -114,13 +192,16 @@ def env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
                          "SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE) must be set")
     hosts = expand_hostlist(nodelist)
     counts = _tasks_per_node(per_node, len(hosts))
-    base = int(environ.get("DTK_PORT_BASE", DEFAULT_PORT_BASE))
+    raw_base = str(environ.get(_env.PORT_BASE, "") or DEFAULT_PORT_BASE).strip()
+    if not raw_base.isdigit() or not 0 < int(raw_base) < 65536:
+        raise ValueError(f"{_env.PORT_BASE}={raw_base!r} is not a port number; set e.g. "
+                         f"{_env.PORT_BASE}={DEFAULT_PORT_BASE}")
+    base = int(raw_base)
     jobs = [f"{host}:{base + k}" for host, n in zip(hosts, counts) for k in range(n)]
     if len(jobs) != ntasks or not 0 <= rank < ntasks:
         raise ValueError(f"Slurm describes {len(jobs)} tasks ({per_node} on {nodelist}) but "
                          f"SLURM_NTASKS={ntasks}, SLURM_PROCID={rank}")
-    return {"DTENSOR_JOBS": ",".join(jobs), "DTENSOR_CLIENT_ID": str(rank),
-            "DTENSOR_JOB_NAME": "worker"}
+    return client_env(jobs=jobs, client=rank)
 
 
 def scheduler_env(environ: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
@@ -147,17 +228,6 @@ def apply_scheduler_env() -> str | None:
     return found[0]
 
 
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
-
-
 @contextlib.contextmanager
 def coordination_timeouts(*, register_timeout_s: float | None = None,
                           heartbeat_timeout_s: float | None = None) -> Iterator[None]:
@@ -171,9 +241,10 @@ def coordination_timeouts(*, register_timeout_s: float | None = None,
     ``$DTK_HEARTBEAT_TIMEOUT_S`` or 10 s) after which a dead client fails the others.
     """
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-    register = register_timeout_s or _seconds("DTK_REGISTER_TIMEOUT_S", DEFAULT_REGISTER_TIMEOUT_S)
-    heartbeat = heartbeat_timeout_s or _seconds("DTK_HEARTBEAT_TIMEOUT_S",
-                                                DEFAULT_HEARTBEAT_TIMEOUT_S)
+    register = register_timeout_s or _env.get_seconds(_env.REGISTER_TIMEOUT_S,
+                                                      DEFAULT_REGISTER_TIMEOUT_S)
+    heartbeat = heartbeat_timeout_s or _env.get_seconds(_env.HEARTBEAT_TIMEOUT_S,
+                                                        DEFAULT_HEARTBEAT_TIMEOUT_S)
     ctx = context.context()
     original = ctx.configure_coordination_service
 
@@ -190,32 +261,3 @@ def coordination_timeouts(*, register_timeout_s: float | None = None,
         yield
     finally:
         del ctx.configure_coordination_service  # back to the class's method
-
-
-def check_same_on_all_clients(mesh, value: float, *, what: str) -> None:
-    """Raises if ``value`` differs between clients (e.g. a checksum of the initial weights).
-
-    Every client must call this (it is a collective). Single-client: nothing to compare.
-
-    Raises:
-      ValueError: the clients disagree, with each client's value.
-    """
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
-    from dtk import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    clients = mesh_lib.num_clients()
-    if clients == 1:
-        return
-    # One value per device, sharded over a 1-D view of every axis; gathered to all clients.
-    layout = dtensor.Layout([*mesh.dim_names], mesh)
-    local = [tf.fill([1] * len(mesh.dim_names), tf.constant(value, tf.float64))
-             for _ in mesh.local_devices()]
-    packed = dtensor.pack(local, layout)
-    full = dtensor.relayout(packed, dtensor.Layout.replicated(mesh, len(mesh.dim_names)))
-    values = np.asarray(dtensor.unpack(full)[0]).ravel()
-    per_client = values.reshape(clients, -1)[:, 0]
-    if np.ptp(per_client) != 0:
-        raise ValueError(
-            f"{what} differs between clients: {dict(enumerate(per_client.tolist()))}; every client "
-            "must use the same seed (and the same code and data) or 'replicated' values diverge")

@@ -28,15 +28,13 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from dtk.layouts import batch_layout
-from dtk.mesh import BATCH_AXIS
-from dtk.mnist import DataUnavailableError, load_mnist  # noqa: F401  (re-exported)
+from dtk.mesh import BATCH_AXIS, batch_layout, check_batch_axis
 
 REMAINDER_POLICIES = ("drop", "pad", "error")
 
@@ -89,8 +87,34 @@ class InputConfig:
             raise ValueError(f"prefetch must be >= 0; got {self.prefetch}")
 
 
-def _axis_size(mesh: dtensor.Mesh, batch_axis: str) -> int:
-    return mesh.dim_size(batch_axis) if batch_axis in mesh.dim_names else 1
+@runtime_checkable
+class DataSource(Protocol):
+    """The data contract of ``Trainer.fit / evaluate / predict``: what a data object must offer.
+
+    ``DistributedDataset`` is dtk's implementation; any object with these members works (for
+    example a wrapper that reads pre-packed batches).
+
+    Attributes:
+      mesh: the mesh the batches are packed on (the trainer's).
+      config: the ``InputConfig`` (``steps_per_call``: batches stacked per item, which must equal
+        the trainer's ``steps_per_execution`` for training and 1 for evaluation; ``batch_axis``).
+      num_batches: global batches (steps) per epoch, after the remainder policy; > 0.
+      num_examples: real examples per epoch.
+      num_dropped: examples dropped per epoch by ``remainder="drop"``.
+    """
+
+    mesh: dtensor.Mesh
+    config: InputConfig
+    num_batches: int
+    num_examples: int
+    num_dropped: int
+
+    def epoch(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[Batch]:
+        """The batches of one epoch (order fixed by ``epoch``), skipping the first ones on resume.
+
+        Each item is a ``Batch(features, labels, weights)`` of DTensors sharded on the batch
+        axis: ``[B, ...]``, or ``[n, B, ...]`` stacks when ``config.steps_per_call`` > 1.
+        """
 
 
 def _leaf_names(tree: Any) -> list[str]:
@@ -121,7 +145,7 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
     leaves = [np.asarray(t) for t in tf.nest.flatten(tree)]
     names = _leaf_names(tree)
     dim = 1 if stacked else 0
-    size = _axis_size(mesh, batch_axis)
+    size = check_batch_axis(mesh, batch_axis)
     batch = None
     for name, leaf in zip(names, leaves):
         if leaf.ndim <= dim:
@@ -150,7 +174,7 @@ def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int):
     shards = {}
     components = []
     for location in mesh.local_device_locations():
-        i = location.get(batch_axis, 0) if size > 1 else 0
+        i = location[batch_axis] if size > 1 else 0
         if i not in shards:
             index = [slice(None)] * array.ndim
             index[dim] = slice(i * per, (i + 1) * per)
@@ -161,9 +185,23 @@ def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int):
 
 def _materialize(dataset: tf.data.Dataset) -> tuple[Any, Any]:
     """Reads an unbatched ``(features, labels)`` dataset into numpy arrays (once)."""
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"dataset must be an unbatched tf.data.Dataset of (features, labels); got "
+            f"{type(dataset).__name__}. Wrap arrays with "
+            "tf.data.Dataset.from_tensor_slices((x, y))")
     spec = dataset.element_spec
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise ValueError(f"dataset elements must be (features, labels) pairs; got {spec}")
+    batched = [s for s in tf.nest.flatten(spec) if s.shape.rank and s.shape[0] is None]
+    if batched or type(dataset).__name__ in ("_BatchDataset", "_PaddedBatchDataset"):
+        raise ValueError(
+            f"dataset looks batched (element spec {spec}: a leading dim of unknown size); pass "
+            "UNBATCHED elements (remove .batch(...), or .unbatch() it) and set "
+            "InputConfig(global_batch_size=...): dtk batches over the whole mesh itself")
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("dataset is infinite (.repeat() without a count); dtk reads a finite "
+                         "dataset per epoch: remove .repeat() (Trainer.fit(epochs=...) repeats)")
     chunks = list(dataset.batch(8192).as_numpy_iterator())
     if not chunks:
         raise ValueError("dataset is empty")
@@ -191,7 +229,7 @@ class DistributedDataset:
 
     def __init__(self, dataset: tf.data.Dataset, mesh: dtensor.Mesh, config: InputConfig):
         self.mesh, self.config = mesh, config
-        size = _axis_size(mesh, config.batch_axis)
+        size = check_batch_axis(mesh, config.batch_axis, what="InputConfig.batch_axis")
         if config.global_batch_size % size:
             raise ValueError(
                 f"global_batch_size ({config.global_batch_size}) is not divisible by mesh axis "
@@ -219,7 +257,7 @@ class DistributedDataset:
         size = self.config.global_batch_size
         index = order[b * size:(b + 1) * size]
         n = len(index)
-        axis = _axis_size(self.mesh, self.config.batch_axis)
+        axis = self.mesh.dim_size(self.config.batch_axis)
         padded = -(-n // axis) * axis
         take = lambda a: a[index]  # noqa: E731
         features = tf.nest.map_structure(take, self.features)

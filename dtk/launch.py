@@ -13,7 +13,24 @@ client's exit code. Unlike a bare multi-client run, nothing hangs:
 * every client must join the cluster (build its mesh) within ``--start_timeout`` seconds, or the
   group is stopped with the names of the clients that did not;
 * ``--max_restarts K`` relaunches the whole group after a failure (with ``--checkpoint_dir`` the
-  training resumes from the last checkpoint, which every client saved into the shared directory).
+  training resumes from the last checkpoint, which every client saved into the shared directory);
+* SIGTERM or SIGINT to the launcher (``timeout``, Slurm, Kubernetes, Ctrl-C) is forwarded to every
+  client; clients still running after a grace period are killed, the launcher's temp directory is
+  removed, and the launcher exits with 128 + the signal number;
+* a client that stops answering (frozen, or stopped with SIGSTOP) is named as the culprit, not the
+  client whose heartbeat check noticed it.
+
+Network exposure: TensorFlow's gRPC servers, which DTensor clients start, listen on every
+interface (``0.0.0.0:<port>``; TensorFlow has no option to bind one address) and have no
+authentication. So by default (``--network auto``) the launcher runs the whole group in a
+private network namespace that holds only a loopback interface: the clients reach each other on
+127.0.0.1 and nothing outside the machine can reach them (nor can they reach the network: a
+script that downloads data needs ``--network host``). Creating the namespace needs root or
+unprivileged user namespaces; where neither is available the launcher warns and runs on the
+host's network (``--network isolated`` fails instead), whose ports are then reachable from other hosts unless a firewall blocks them.
+Multi-machine clusters cannot be isolated this way: run them on a private network only.
+
+The launcher itself never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -21,6 +38,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,10 +47,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dtk import cluster
 
 _GRACE_S = 3.0      # SIGTERM -> SIGKILL
 _POLL_S = 0.1
+NETWORK_MODES = ("isolated", "host", "auto")
+_IN_NETNS_ENV = "_DTK_LAUNCH_IN_NETNS"  # set on the launcher re-run inside the namespace
+# TensorFlow names an unreachable peer as /job:worker/replica:0/task:N in its errors.
+_TASK_IN_ERROR = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
+_PEER_ERROR_WORDS = ("heartbeat", "unavailable", "failed to connect", "connection reset",
+                     "socket closed", "deadline exceeded", "stopped", "unhealthy")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,8 +78,8 @@ class LaunchConfig:
     num_clients: int
     devices_per_client: int | None = None
     max_restarts: int = 0
-    start_timeout_s: float = 120.0
-    heartbeat_timeout_s: float = 10.0
+    start_timeout_s: float = cluster.DEFAULT_REGISTER_TIMEOUT_S
+    heartbeat_timeout_s: float = cluster.DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self):
         if self.num_clients < 1:
@@ -82,27 +110,42 @@ def client_envs(config: LaunchConfig, ports: Sequence[int], ready_dir: str,
                 base: dict[str, str] | None = None) -> list[dict[str, str]]:
     """The environment of each client: ``DTENSOR_*``, the readiness file, timeouts."""
     base = dict(os.environ if base is None else base)
-    for key in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS"):
+    for key in cluster.SCHEDULER_VARIABLES:
         base.pop(key, None)  # the launcher, not a scheduler, describes this cluster
-    jobs = ",".join(f"localhost:{p}" for p in ports)
-    envs = []
-    for i in range(config.num_clients):
-        env = dict(base, DTENSOR_JOBS=jobs, DTENSOR_CLIENT_ID=str(i), DTENSOR_JOB_NAME="worker",
-                   DTK_READY_FILE=os.path.join(ready_dir, f"client-{i}.ready"),
-                   DTK_REGISTER_TIMEOUT_S=str(config.start_timeout_s),
-                   DTK_HEARTBEAT_TIMEOUT_S=str(config.heartbeat_timeout_s),
-                   PYTHONUNBUFFERED="1")
-        if config.devices_per_client:
-            env["DTK_VIRTUAL_DEVICES"] = str(config.devices_per_client)
-        envs.append(env)
-    return envs
+    jobs = [f"127.0.0.1:{p}" for p in ports]
+    return [dict(base, PYTHONUNBUFFERED="1", **cluster.client_env(
+        jobs=jobs, client=i, register_timeout_s=config.start_timeout_s,
+        heartbeat_timeout_s=config.heartbeat_timeout_s, virtual_devices=config.devices_per_client,
+        ready_file=os.path.join(ready_dir, f"client-{i}.ready")))
+        for i in range(config.num_clients)]
 
 
-def _pump(stream, prefix: str, out) -> None:
+def _pump(stream, prefix: str, out, suspects: set[int]) -> None:
     for line in iter(stream.readline, ""):
         out.write(f"{prefix}{line}")
         out.flush()
+        lower = line.lower()
+        if any(w in lower for w in _PEER_ERROR_WORDS):
+            suspects.update(int(t) for t in _TASK_IN_ERROR.findall(line))
     stream.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    """True when the process is stopped (SIGSTOP, a debugger): it cannot answer heartbeats."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _culprit(procs: list[subprocess.Popen], failed: int, suspects: set[int]) -> int | None:
+    """The client to blame when ``failed`` exited because of another client, if one is known."""
+    stopped = [i for i, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)]
+    if stopped:
+        return stopped[0]
+    others = sorted(s for s in suspects if s != failed and 0 <= s < len(procs))
+    return others[0] if others else None
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -131,29 +174,51 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def run_group(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
+class _Stop:
+    """The signal (SIGTERM/SIGINT) the launcher received, if any; set by its handler."""
+
+    signum: int | None = None
+
+
+def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
+              stop: type[_Stop] = _Stop) -> int:
     """Runs one group of clients until all succeed or one fails; returns the exit code."""
     out = out or sys.stdout
-    with tempfile.TemporaryDirectory(prefix="dtk-launch-") as ready_dir:
+    ready_dir = tempfile.mkdtemp(prefix="dtk-launch-")
+    procs, pumps, suspects = [], [], set()
+    code, message = 0, None
+    try:
         envs = client_envs(config, free_ports(config.num_clients), ready_dir)
-        procs, pumps = [], []
         for i, env in enumerate(envs):
             p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[client {i}] ", out), daemon=True)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[client {i}] ", out, suspects),
+                                 daemon=True)
             t.start()
             pumps.append(t)
         start = time.monotonic()
-        code, message = 0, None
         try:
             while True:
+                if stop.signum is not None:
+                    code = 128 + stop.signum
+                    message = (f"received {signal.Signals(stop.signum).name}; stopping "
+                               f"{sum(p.poll() is None for p in procs)} running client(s)")
+                    break
                 codes = [p.poll() for p in procs]
                 failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     i, c = failed[0]
                     code = _exit_code(c)
-                    message = f"client {i} {_describe(c)}; stopping the other clients"
+                    time.sleep(0.3)  # let the pumps read the client's last lines
+                    culprit = _culprit(procs, i, suspects)
+                    if culprit is not None:
+                        state = ("is stopped (frozen)" if _is_stopped(procs[culprit].pid)
+                                 else "stopped answering")
+                        message = (f"client {culprit} {state}: client {i} lost contact with it "
+                                   f"and {_describe(c)}; stopping the other clients")
+                    else:
+                        message = f"client {i} {_describe(c)}; stopping the other clients"
                     break
                 if all(c == 0 for c in codes):
                     break
@@ -168,10 +233,33 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
         finally:
             if message:
                 print(f"dtk.launch: {message}", file=sys.stderr, flush=True)
+            for p in procs:
+                if p.poll() is None and _is_stopped(p.pid):
+                    p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
             _stop(procs)
             for t in pumps:
                 t.join(timeout=2)
-        return code
+    finally:
+        shutil.rmtree(ready_dir, ignore_errors=True)
+    return code
+
+
+def run_with_restarts(attempt_fn: Callable[[], Any], *, max_restarts: int,
+                      failed: Callable[[Any], bool], describe: Callable[[Any], str],
+                      who: str) -> Any:
+    """Runs ``attempt_fn`` until it succeeds or ``max_restarts`` restarts are used up.
+
+    The one restart loop of dtk's launchers (local processes and Ray actors).
+    """
+    for attempt in range(max_restarts + 1):
+        start = time.monotonic()
+        result = attempt_fn()
+        if not failed(result) or attempt == max_restarts:
+            return result
+        print(f"{who}: attempt {attempt + 1} failed ({describe(result)}) after "
+              f"{time.monotonic() - start:.1f} s; restarting the group "
+              f"({max_restarts - attempt} restart(s) left)", file=sys.stderr, flush=True)
+    return result
 
 
 def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
@@ -184,20 +272,70 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
     if not command:
         raise ValueError("no command to launch; put it after '--', e.g. "
                          "python -m dtk.launch --num_clients 2 -- python train.py")
-    for attempt in range(config.max_restarts + 1):
-        start = time.monotonic()
-        code = run_group(command, config, out=out)
-        if code == 0:
-            return 0
-        if attempt < config.max_restarts:
-            print(f"dtk.launch: attempt {attempt + 1} failed with code {code} after "
-                  f"{time.monotonic() - start:.1f} s; restarting the group "
-                  f"({config.max_restarts - attempt} restart(s) left)", file=sys.stderr, flush=True)
-    return code
+    _Stop.signum = None
+    previous = {}
+
+    def handler(signum, frame):  # pylint: disable=unused-argument
+        _Stop.signum = signum
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        return run_with_restarts(
+            lambda: run_group(command, config, out=out), max_restarts=config.max_restarts,
+            failed=lambda code: code != 0 and _Stop.signum is None,
+            describe=lambda code: f"code {code}", who="dtk.launch")
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# -- network isolation ----------------------------------------------------------------------------
+def _loopback_up() -> None:
+    """Brings up ``lo`` in a new network namespace (where it starts down)."""
+    import fcntl  # pylint: disable=g-import-not-at-top
+    import struct  # pylint: disable=g-import-not-at-top
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack("16sh", fcntl.ioctl(s, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
+def _netns_prefix() -> list[str] | None:
+    """The ``unshare`` command that gives a process a private network namespace, if permitted."""
+    unshare = shutil.which("unshare")
+    if not unshare or not sys.platform.startswith("linux"):
+        return None
+    for prefix in ([unshare, "--net"], [unshare, "--net", "--map-root-user"]):
+        if os.geteuid() == 0 and "--map-root-user" in prefix:
+            continue
+        try:
+            ok = subprocess.run([*prefix, "--", "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok.returncode == 0:
+            return prefix
+    return None
+
+
+def _run_isolated(argv: Sequence[str], prefix: list[str]) -> int:
+    """Re-runs this launcher inside a private network namespace; forwards signals to it."""
+    env = dict(os.environ, **{_IN_NETNS_ENV: "1"})
+    proc = subprocess.Popen([*prefix, "--", sys.executable, "-m", "dtk.launch", *argv], env=env)
+
+    def forward(signum, frame):  # pylint: disable=unused-argument
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return _exit_code(proc.wait())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    original = list(argv)
     command = []
     if "--" in argv:
         split = argv.index("--")
@@ -209,18 +347,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max_restarts", type=int, default=0, help="group restarts on failure")
     parser.add_argument("--start_timeout", type=float, default=120.0,
                         help="seconds for every client to build its mesh")
-    parser.add_argument("--heartbeat_timeout", type=float, default=10.0,
+    parser.add_argument("--heartbeat_timeout", type=float,
+                        default=cluster.DEFAULT_HEARTBEAT_TIMEOUT_S,
                         help="seconds after which a silent client fails the others")
+    parser.add_argument("--network", choices=NETWORK_MODES, default="auto",
+                        help="auto (default): isolated where permitted, else host with a warning; "
+                        "isolated: run the clients in a private network namespace, unreachable "
+                        "from other hosts (and without network access), or fail; host: share the "
+                        "host's network (the clients' ports are reachable from other hosts)")
     args = parser.parse_args(argv)
     try:
         config = LaunchConfig(num_clients=args.num_clients,
                               devices_per_client=args.devices_per_client,
                               max_restarts=args.max_restarts, start_timeout_s=args.start_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout)
-        return launch(command, config)
+        if not command:
+            raise ValueError("no command to launch; put it after '--', e.g. "
+                             "python -m dtk.launch --num_clients 2 -- python train.py")
     except ValueError as e:
         parser.error(str(e))
         return 2
+    if os.environ.get(_IN_NETNS_ENV):
+        _loopback_up()
+    elif args.network != "host":
+        prefix = _netns_prefix()
+        if prefix is not None:
+            return _run_isolated(original, prefix)
+        text = ("cannot create a private network namespace here (needs root or unprivileged user "
+                "namespaces and the unshare command)")
+        if args.network == "isolated":
+            parser.error(f"--network isolated: {text}. Use --network host to run on the host's "
+                         "network, where the clients' ports are reachable from other hosts "
+                         "unless a firewall blocks them")
+        print(f"dtk.launch: warning: {text}; the clients' gRPC ports listen on all interfaces "
+              "and are reachable from other hosts unless a firewall blocks them", file=sys.stderr,
+              flush=True)
+    return launch(command, config)
 
 
 if __name__ == "__main__":

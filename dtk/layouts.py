@@ -23,9 +23,10 @@ an error.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,35 +34,20 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.mesh import BATCH_AXIS
+from dtk import _env
+from dtk import keras_check
+from dtk.mesh import BATCH_AXIS, batch_layout, check_batch_axis
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore
 
+_log = logging.getLogger("dtk")
 UNSHARDED = "unsharded"
 DEFAULTS = ("replicated", "error")
 _SKIP = ("_self_tracked_trackables", "_trainable_weights", "_non_trainable_weights",
          "_captured_weight_regularizer")
-
-
-def batch_layout(mesh: dtensor.Mesh, rank: int, *, batch_axis: str = BATCH_AXIS) -> dtensor.Layout:
-    """The layout of an input tensor: dim 0 sharded on ``batch_axis``, every other dim unsharded.
-
-    On a ``batch=4,model=2`` mesh a ``[128, 784]`` batch puts rows 32*i..32*i+31 on both devices of
-    batch row i; the two devices along ``model`` hold the same rows. A mesh without ``batch_axis``
-    replicates inputs.
-
-    Raises:
-      ValueError: ``rank`` < 1 (a scalar has no batch dim).
-    """
-    if rank < 1:
-        raise ValueError(f"an input of rank {rank} has no batch dim to shard on axis {batch_axis!r}; "
-                         "inputs must be at least rank 1 ([batch, ...])")
-    if batch_axis not in mesh.dim_names:
-        return dtensor.Layout.replicated(mesh, rank)
-    return dtensor.Layout.batch_sharded(mesh, batch_axis, rank)
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -90,21 +76,26 @@ class LayoutTable:
     source: str = ""
 
 
-def layouts_dir() -> Path:
-    """Where the shipped tables live: ``$DTK_LAYOUTS_DIR``, else ``layouts/`` beside the package."""
-    env = os.environ.get("DTK_LAYOUTS_DIR")
-    if env:
-        return Path(env)
+def shipped_tables_dir() -> Path:
+    """The tables that come with dtk: ``dtk/tables`` when installed, ``layouts/`` in a checkout."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "layouts", here / "layouts"):
-        if candidate.is_dir():
-            return candidate
-    return here.parent / "layouts"
+    installed = here / "tables"
+    if any(installed.glob("*.toml")):
+        return installed
+    return here.parent / "layouts"  # a source checkout (or an editable install of one)
+
+
+def table_dirs() -> list[Path]:
+    """Where tables are looked up by name, in order: ``$DTK_LAYOUTS_DIR`` (user tables, several
+    directories separated by ``os.pathsep``), then the shipped tables."""
+    user = _env.get_str(_env.LAYOUTS_DIR)
+    dirs = [Path(d) for d in user.split(os.pathsep) if d] if user else []
+    return [*dirs, shipped_tables_dir()]
 
 
 def available_tables() -> list[str]:
-    """Names of the shipped tables."""
-    return sorted(p.stem for p in layouts_dir().glob("*.toml"))
+    """Names of the tables that ``load_table`` finds by name."""
+    return sorted({p.stem for d in table_dirs() for p in d.glob("*.toml")})
 
 
 def load_table(name_or_path: str | os.PathLike) -> LayoutTable:
@@ -116,13 +107,22 @@ def load_table(name_or_path: str | os.PathLike) -> LayoutTable:
     """
     if isinstance(name_or_path, LayoutTable):
         return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"layout table must be a name (e.g. 'data_parallel'), a path to a .toml "
+                        f"file or a LayoutTable; got {type(name_or_path).__name__}: "
+                        f"{name_or_path!r}")
     text = os.fspath(name_or_path)
     path = Path(text)
-    if not (text.endswith(".toml") or os.sep in text):
-        path = layouts_dir() / f"{text}.toml"
-        if not path.is_file():
-            raise ValueError(f"layout table {text!r} is unknown; shipped tables: "
-                             f"{', '.join(available_tables())}; or pass a path to a .toml file")
+    if not (text.endswith(".toml") or os.sep in text or isinstance(name_or_path, Path)):
+        found = [d / f"{text}.toml" for d in table_dirs() if (d / f"{text}.toml").is_file()]
+        if not found:
+            raise ValueError(f"layout table {text!r} is unknown; tables: "
+                             f"{', '.join(available_tables()) or '(none found)'}; or pass a path "
+                             "to a .toml file")
+        path = found[0]
+    if path.is_dir():
+        raise ValueError(f"layout table {path} is a directory; pass a .toml file, or put the "
+                         f"tables in a directory named by ${_env.LAYOUTS_DIR} and pass a name")
     if not path.is_file():
         raise ValueError(f"layout table file {path} does not exist")
     try:
@@ -225,9 +225,21 @@ def _match(table: LayoutTable, path: str) -> list[LayoutRule]:
     return [rule for rule in table.rules if re.fullmatch(rule.pattern, path)]
 
 
-def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: bool = False
-                 ) -> LayoutPlan:
+def _some(paths: list[str], n: int = 6) -> str:
+    return str(paths[:n])[:-1] + (f", ... {len(paths) - n} more]" if len(paths) > n else "]")
+
+
+def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: bool = False,
+                 allow_replicated: bool = False) -> LayoutPlan:
     """Matches and validates ``weights`` (``(path, shape, dtype)`` triples) against ``table``.
+
+    Args:
+      table: the rule table.
+      mesh: the mesh.
+      weights: ``(path, shape, dtype)`` of every weight.
+      strict: a rule that matches no weight is an error (else a warning in the plan).
+      allow_replicated: a table whose rules shard on axes the mesh has, but that shards no weight
+        of this model (a renamed layer, the wrong table), is an error unless this is True.
 
     Raises:
       ValueError: see the module docstring; every message names the weight and the fix.
@@ -290,6 +302,19 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
         if strict:
             raise ValueError(message + "; fix the patterns or pass strict=False")
         warnings.append(message)
+    defaulted = [w.path for w in planned if w.rule is None]
+    if table.rules and defaulted:
+        warnings.append(f"{len(defaulted)} weight(s) matched no rule of table {table.name!r} and "
+                        f"are {table.default}: {_some(defaulted)}")
+    sharding_axes = {a for r in table.rules for a in r.dims if a and sizes.get(a, 1) > 1}
+    if sharding_axes and not any(any(w.dims) for w in planned) and not allow_replicated:
+        raise ValueError(
+            f"layout table {table.name!r} shards weights on mesh axes {sorted(sharding_axes)}, but "
+            f"on this model it shards none: its rules {[r.pattern for r in table.rules]} match "
+            f"none of the weights {_some([w.path for w in planned])}, so everything would train "
+            "replicated. Fix the patterns to match these weight paths (layer names or attribute "
+            "paths; see dtk.explain), use another table, or pass allow_replicated=True "
+            "(train_mnist.py: --allow_replicated)")
     if any(a not in sizes for a in table.optional_axes):
         warnings.append(f"mesh has no axis {[a for a in table.optional_axes if a not in sizes]}: "
                         "dims laid out on it are unsharded")
@@ -298,22 +323,60 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
 
 
 def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
-                 model_factory: Callable[[], tf_keras.Model], *, strict: bool = False) -> LayoutPlan:
+                 model_factory: Callable[[], tf_keras.Model], *, strict: bool = False,
+                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None
+                 ) -> LayoutPlan:
     """Plans every weight of ``model_factory()`` on ``mesh``, before any DTensor variable exists.
 
     The factory is called once outside any layout scope, to read weight paths and shapes from
-    ordinary variables.
+    ordinary variables (a subclassed model is built by one call on zeros of ``input_shape``).
     """
-    return _plan_model(load_table(table), mesh, model_factory(), strict=strict)
+    model = _plain_model(model_factory, input_shape, mesh)
+    return _plan_model(load_table(table), mesh, model, strict=strict,
+                       allow_replicated=allow_replicated)
 
 
 def _plan_model(table: LayoutTable, mesh: dtensor.Mesh, model: tf_keras.Model, *,
-                strict: bool) -> LayoutPlan:
+                strict: bool, allow_replicated: bool = False) -> LayoutPlan:
     weights = [(path, tuple(v.shape), v.dtype) for path, v in weight_paths(model)]
     if not weights:
         raise ValueError("model_factory built a model with no weights; build it (give the first "
-                         "layer an input_shape, or call a subclassed model once) in the factory")
-    return plan_weights(table, mesh, weights, strict=strict)
+                         "layer an input_shape, or pass input_shape= for a subclassed model)")
+    return plan_weights(table, mesh, weights, strict=strict, allow_replicated=allow_replicated)
+
+
+def _check_factory_result(model: Any) -> tf_keras.Model:
+    keras_check.require_keras2(model, "the model returned by model_factory")
+    if not isinstance(model, tf_keras.Model):
+        raise TypeError(f"model_factory must return a tf_keras.Model; it returned "
+                        f"{type(model).__name__}: {str(model)[:80]!r}. Return the model from the "
+                        "factory (e.g. `def factory(): return tf_keras.Sequential([...])`)")
+    return model
+
+
+def _example_input(mesh: dtensor.Mesh | None, input_shape, dtype, *, batch_axis=BATCH_AXIS):
+    """A zero batch to build a subclassed model: laid out batch-sharded when ``mesh`` is given."""
+    shape = [int(d) for d in input_shape]
+    if mesh is None:
+        return tf.zeros([1, *shape], dtype)
+    n = check_batch_axis(mesh, batch_axis)
+    return dtensor.call_with_layout(tf.zeros, batch_layout(mesh, 1 + len(shape),
+                                                           batch_axis=batch_axis),
+                                    shape=[n, *shape], dtype=dtype)
+
+
+def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_keras.Model:
+    """``model_factory()`` outside any layout scope, built (a subclassed model by one call)."""
+    model = _check_factory_result(model_factory())
+    if not model.built:
+        if input_shape is None:
+            raise ValueError(
+                f"model_factory returned an unbuilt {type(model).__name__} (a subclassed model "
+                "creates its weights on its first call); pass input_shape= (one example's shape "
+                "without the batch dim, e.g. input_shape=(28, 28, 1)) to dtk.build_model / "
+                "dtk.Trainer, or give the first layer an input_shape")
+        model(_example_input(None, input_shape, dtype))
+    return model
 
 
 class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
@@ -329,7 +392,9 @@ class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
 
 
 def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
-                table: LayoutTable | str, *, seed: int, strict: bool = False
+                table: LayoutTable | str, *, seed: int, strict: bool = False,
+                allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
+                input_dtype: str = "float32", batch_axis: str = BATCH_AXIS
                 ) -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
 
@@ -343,15 +408,39 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     ``BatchNormalization`` run unfused (DTensor's fused kernel has no layout propagation;
     batch statistics are then computed over the global batch, as on one device); Dropout and other random layers use
     TensorFlow's stateful generator (``enable_tf_random_generator``), which DTensor supports.
+
+    Subclassed models (weights created on the first call) need ``input_shape``: dtk builds the
+    plain copy with a call on zeros ``[1, *input_shape]`` and the laid-out model with an eager
+    call, inside the layout scope, on a batch-sharded DTensor of zeros (DTensor's own route;
+    ``model.build(shape)`` does not work under a layout scope).
+
+    The plan's warnings (rules that matched nothing, weights that fell to the default) are
+    logged on the ``dtk`` logger.
+
+    Raises:
+      TypeError: the factory returns no tf_keras model (or a Keras 3 one).
+      ValueError: a bad plan (see ``plan_weights``), or a subclassed model without input_shape.
     """
+    if not callable(model_factory):
+        raise TypeError(f"model_factory must be a callable that returns a new tf_keras model; got "
+                        f"{type(model_factory).__name__}")
+    if isinstance(model_factory, tf_keras.Model):
+        raise TypeError("build_model needs the model FACTORY (a function that builds the model), "
+                        "not a built model: DTensor weights must be created under the layouts")
     tf_keras.backend.experimental.enable_tf_random_generator()
     tf_keras.utils.set_random_seed(seed)
-    reference = model_factory()  # plain: gives the weight paths and the initial values
-    plan = _plan_model(load_table(table), mesh, reference, strict=strict)
+    # plain: gives the weight paths and the initial values
+    reference = _plain_model(model_factory, input_shape, mesh, dtype=input_dtype)
+    plan = _plan_model(load_table(table), mesh, reference, strict=strict,
+                       allow_replicated=allow_replicated)
+    for warning in plan.warnings:
+        _log.warning("layouts: %s", warning)
     tf_keras.utils.set_random_seed(seed)
     layout_map = _PlannedLayoutMap(plan, mesh)
     with layout_map.scope():
         model = model_factory()
+        if not model.built:
+            model(_example_input(mesh, input_shape, input_dtype, batch_axis=batch_axis))
     _lay_out_autocast_variables(model, layout_map)
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
@@ -419,6 +508,13 @@ def explain(plan: LayoutPlan) -> str:
     total = sum(w.bytes_total for w in plan.weights)
     per_device = sum(w.bytes_per_device for w in plan.weights)
     sharded = sum(1 for w in plan.weights if any(w.dims))
+    defaulted = sum(1 for w in plan.weights if w.rule is None and plan.table.rules)
+    flags = []
+    if plan.unused_rules:
+        flags.append(f"WARNING: {len(plan.unused_rules)} rule(s) matched nothing")
+    if defaulted:
+        flags.append(f"WARNING: {defaulted} weight(s) by default ({plan.table.default})")
     lines.append(f"layouts: {plan.table.name} on {mesh}: {len(plan.weights)} weights "
-                 f"({sharded} sharded), {_bytes(total)} in all, {_bytes(per_device)} per device")
+                 f"({sharded} sharded), {_bytes(total)} in all, {_bytes(per_device)} per device"
+                 + "".join(f"; {f}" for f in flags))
     return "\n".join(lines)

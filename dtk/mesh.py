@@ -24,9 +24,14 @@ import re
 from collections.abc import Mapping
 from typing import Union
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context as _context
+
+from dtk import _env
+from dtk import cluster
+from dtk.cluster import client_id, is_multi_client, num_clients
 
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
@@ -164,22 +169,6 @@ def configure_virtual_cpus(n: int) -> None:
         cpu, [tf.config.LogicalDeviceConfiguration()] * n)
 
 
-def is_multi_client() -> bool:
-    """True when ``DTENSOR_JOBS`` names the clients of a multi-client run."""
-    return bool(os.environ.get("DTENSOR_JOBS", "").strip())
-
-
-def num_clients() -> int:
-    """The number of DTensor clients (processes) in this run; 1 without ``DTENSOR_JOBS``."""
-    jobs = os.environ.get("DTENSOR_JOBS", "").strip()
-    return len([j for j in jobs.split(",") if j.strip()]) if jobs else 1
-
-
-def client_id() -> int:
-    """This process's client id (``DTENSOR_CLIENT_ID``, 0 when unset)."""
-    return int(os.environ.get("DTENSOR_CLIENT_ID", "0") or 0)
-
-
 def resolve_device_type(device_type: str = "auto") -> str:
     """Maps ``auto|cpu|gpu|tpu`` to DTensor's upper-case device type (auto: TPU > GPU > CPU).
 
@@ -224,7 +213,6 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
     if not is_multi_client():
         dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
         return
-    from dtk import cluster  # pylint: disable=g-import-not-at-top
     try:
         with cluster.coordination_timeouts():
             dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
@@ -267,10 +255,9 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     """
     mesh_spec = parse_mesh_spec(spec)
     kind = resolve_device_type(device_type)
-    from dtk import cluster  # pylint: disable=g-import-not-at-top
     cluster.apply_scheduler_env()  # TF_CONFIG or Slurm -> DTENSOR_* when DTENSOR_JOBS is unset
-    if virtual_devices is None and kind == "CPU" and os.environ.get("DTK_VIRTUAL_DEVICES"):
-        virtual_devices = int(os.environ["DTK_VIRTUAL_DEVICES"])  # set by python -m dtk.launch
+    if virtual_devices is None and kind == "CPU":
+        virtual_devices = _env.get_int(_env.VIRTUAL_DEVICES)  # set by launchers
     if virtual_devices is not None and kind != "CPU":
         raise ValueError(
             f"virtual_devices={virtual_devices} only applies to CPU meshes; device type is {kind}. "
@@ -283,7 +270,7 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     local_needed = mesh_spec.num_devices // clients
     _initialize(kind, local_needed, virtual_devices)
 
-    available = len(tf.config.list_logical_devices(kind))
+    available = local_device_count(kind)
     if local_needed > available:
         where = f"per client ({clients} clients)" if clients > 1 else "in this process"
         fix = (f"pass virtual_devices={local_needed} (--virtual_devices) before TensorFlow initializes"
@@ -297,11 +284,57 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
             list(mesh_spec.axes), local_devices=local_devices, device_type=kind)
     else:
         mesh = dtensor.create_mesh(list(mesh_spec.axes), devices=local_devices, device_type=kind)
-    ready = os.environ.get("DTK_READY_FILE")
+    ready = _env.get_str(_env.READY_FILE)
     if ready:  # tells python -m dtk.launch that this client joined the cluster
         with open(ready, "w") as f:
             f.write(describe_mesh(mesh))
     return mesh
+
+
+def check_batch_axis(mesh: dtensor.Mesh, batch_axis: str, *, what: str = "batch_axis") -> int:
+    """The size of ``batch_axis`` on ``mesh``; the one check of the batch axis, used everywhere.
+
+    A batch axis the mesh lacks would silently replicate the inputs (every device trains on the
+    whole batch) and make the sharded update a no-op, so it is an error.
+
+    Raises:
+      ValueError: the mesh has no such axis, naming the mesh's axes and the fix.
+    """
+    if batch_axis not in mesh.dim_names:
+        axes = ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names)
+        raise ValueError(
+            f"{what} {batch_axis!r} is not an axis of mesh {axes}; use one of "
+            f"{list(mesh.dim_names)} (the data-parallel axis), or add a {batch_axis}=1 axis to the "
+            "mesh for a run without data parallelism")
+    return mesh.dim_size(batch_axis)
+
+
+def batch_layout(mesh: dtensor.Mesh, rank: int, *, batch_axis: str = BATCH_AXIS) -> dtensor.Layout:
+    """The layout of an input tensor: dim 0 sharded on ``batch_axis``, every other dim unsharded.
+
+    On a ``batch=4,model=2`` mesh a ``[128, 784]`` batch puts rows 32*i..32*i+31 on both devices of
+    batch row i; the two devices along ``model`` hold the same rows.
+
+    Raises:
+      ValueError: ``rank`` < 1 (a scalar has no batch dim), or a batch axis the mesh lacks.
+    """
+    check_batch_axis(mesh, batch_axis)
+    if rank < 1:
+        raise ValueError(f"an input of rank {rank} has no batch dim to shard on axis {batch_axis!r}; "
+                         "inputs must be at least rank 1 ([batch, ...])")
+    return dtensor.Layout.batch_sharded(mesh, batch_axis, rank)
+
+
+def local_device_count(kind: str) -> int:
+    """Logical ``kind`` devices of THIS client (a multi-client run also lists the others')."""
+    devices = tf.config.list_logical_devices(kind)
+    if not is_multi_client():
+        return len(devices)
+    me = client_id()
+    mine = [d for d in devices
+            if tf.DeviceSpec.from_string(d.name).task in (None, me)
+            and tf.DeviceSpec.from_string(d.name).job in (None, cluster.JOB_NAME)]
+    return len(mine)
 
 
 def mesh_axis_sizes(mesh: dtensor.Mesh) -> dict[str, int]:
@@ -337,7 +370,36 @@ def describe_mesh(mesh: dtensor.Mesh) -> str:
             f", {len(local)} local devices ({kind}:{_ranges(sorted(local))})")
     if clients > 1:
         line += f", this is client {client_id()}"
-    available = len(tf.config.list_logical_devices(kind))
+    available = local_device_count(kind)
     if len(local) < available:
         line += f"; uses {len(local)} of {available} local {kind} devices"
     return line
+
+
+def check_same_on_all_clients(mesh, value: float, *, what: str) -> dict[int, float]:
+    """Raises if ``value`` differs between clients (e.g. a checksum of the initial weights).
+
+    Every client must call this (it is a collective). Single-client: nothing to compare.
+
+    Returns:
+      Each client's value, by client id (all equal).
+
+    Raises:
+      ValueError: the clients disagree, with each client's value.
+    """
+    clients = num_clients()
+    if clients == 1:
+        return {0: value}
+    # One value per device, sharded over a 1-D view of every axis; gathered to all clients.
+    layout = dtensor.Layout([*mesh.dim_names], mesh)
+    local = [tf.fill([1] * len(mesh.dim_names), tf.constant(value, tf.float64))
+             for _ in mesh.local_devices()]
+    packed = dtensor.pack(local, layout)
+    full = dtensor.relayout(packed, dtensor.Layout.replicated(mesh, len(mesh.dim_names)))
+    values = np.asarray(dtensor.unpack(full)[0]).ravel()
+    per_client = values.reshape(clients, -1)[:, 0]
+    if np.ptp(per_client) != 0:
+        raise ValueError(
+            f"{what} differs between clients: {dict(enumerate(per_client.tolist()))}; every client "
+            "must use the same seed (and the same code and data) or 'replicated' values diverge")
+    return dict(enumerate(per_client.tolist()))

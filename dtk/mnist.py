@@ -1,22 +1,38 @@
-"""MNIST sources: ``tensorflow_datasets`` (the default) and LeCun IDX files (offline).
+"""MNIST, the example data set: ``tensorflow_datasets`` (the default), LeCun IDX files, a bundled sample.
+
+This is example data, kept apart from dtk's input path (``dtk.input``), which takes any
+``tf.data.Dataset``.
 
 Both give the same ``tf.data.Dataset`` of unbatched ``(image, label)`` pairs: image float32
 ``[28, 28, 1]`` in [0, 1], label int64 ``[]``.
 
 Offline, ``tfds.load`` retries for minutes before it fails; ``load_mnist(source="tfds")`` instead
 checks whether the data is prepared and, if not, whether the download host answers within a few
-seconds, and raises ``DataUnavailableError`` in one line that names the offline route. Setting
-``DTK_OFFLINE=1`` skips the network check (treats the machine as offline).
+seconds. If it cannot get the data and no ``data_dir`` was given, it falls back to the sample
+bundled with dtk (the first 2,000 training and 1,000 test images, ``dtk/data/mnist_sample``) and
+logs one warning that says so and how to get the full data; with a ``data_dir`` it raises
+``DataUnavailableError`` in one line that names the offline route. Setting ``DTK_OFFLINE=1`` skips
+the network check (treats the machine as offline).
 """
 
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+
+from dtk import _env
+
+_log = logging.getLogger("dtk")
+SOURCES = ("tfds", "idx", "sample")
+SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "mnist_sample"
+SAMPLE_SIZES = {"train": 2000, "test": 1000}
+_SAMPLE_NOTICE: list[bool] = []  # the fallback notice is given once per process
 
 SPLITS = ("train", "test")
 _IDX_PREFIX = {"train": "train", "test": "t10k"}
@@ -102,7 +118,7 @@ def _to_example(image, label):
 
 def network_reachable() -> bool:
     """Whether the TFDS download host answers within a few seconds (False if DTK_OFFLINE=1)."""
-    if os.environ.get("DTK_OFFLINE", "").strip() not in ("", "0"):
+    if _env.get_flag(_env.OFFLINE):
         return False
     try:
         with socket.create_connection(_DOWNLOAD_HOST, timeout=_NETWORK_TIMEOUT_S):
@@ -116,24 +132,36 @@ def load_mnist(split: str, *, source: str = "tfds", data_dir: str | None = None)
 
     Args:
       split: ``train`` or ``test``.
-      source: ``tfds`` (tensorflow_datasets; downloads once when online) or ``idx`` (LeCun IDX
-        files in ``data_dir``, e.g. ``../shared/data/mnist``).
+      source: ``tfds`` (tensorflow_datasets; downloads once when online; falls back to the
+        bundled sample when it cannot and ``data_dir`` is None), ``idx`` (LeCun IDX files in
+        ``data_dir``, e.g. ``../shared/data/mnist``) or ``sample`` (the bundled sample).
       data_dir: TFDS data directory, or the directory of IDX files.
 
     Raises:
-      DataUnavailableError: TFDS data is not prepared and the network is unreachable.
+      DataUnavailableError: TFDS data is not prepared in ``data_dir`` and the network is
+        unreachable.
       ValueError: bad split or source, missing or corrupt IDX files.
     """
     _check_split(split)
-    if source == "idx":
-        images, labels = read_mnist_idx(split, data_dir)
+    if source not in SOURCES:
+        raise ValueError(f"source {source!r} is not one of {', '.join(SOURCES)}")
+    if source in ("idx", "sample"):
+        images, labels = read_mnist_idx(split, data_dir if source == "idx" else str(SAMPLE_DIR))
         return tf.data.Dataset.from_tensor_slices((images, labels)).map(_to_example)
-    if source != "tfds":
-        raise ValueError(f"source {source!r} is not one of tfds, idx")
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     builder = tfds.builder("mnist", data_dir=data_dir)
     if not builder.is_prepared():
         if not network_reachable():
+            if data_dir is None:
+                if not _SAMPLE_NOTICE:
+                    _SAMPLE_NOTICE.append(True)
+                    _log.warning(
+                    "MNIST is not prepared for tensorflow_datasets and the network is "
+                        "unreachable: using the sample bundled with dtk (%d training, %d test "
+                        "images; lower accuracy). For the full data run once with internet, or "
+                        "pass --dataset idx --data_dir DIR", SAMPLE_SIZES["train"],
+                        SAMPLE_SIZES["test"])
+                return load_mnist(split, source="sample")
             raise DataUnavailableError(
                 f"MNIST is not prepared in the TFDS data dir ({builder.data_dir}) and the network is "
                 "unreachable, so tensorflow_datasets cannot download it; use the offline IDX files: "

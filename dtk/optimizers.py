@@ -13,11 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import tf_keras
 from tensorflow.experimental import dtensor
+
+from dtk.keras_check import require_keras2
 
 OPTIMIZERS: dict[str, str] = {
     "sgd": "SGD",
@@ -79,6 +82,10 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
         mesh, or kwargs given together with an instance.
     """
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    require_keras2(optimizer, "optimizer")
+    rate = kwargs.get("learning_rate")
+    if isinstance(rate, (int, float)) and not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"learning_rate must be a positive, finite number; got {rate!r}")
     if isinstance(optimizer, str):
         key = optimizer.strip().lower()
         if key in _UNSUPPORTED_OPTIMIZERS:
@@ -102,8 +109,8 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
             "bound to a DTensor mesh (it rejects mesh=); use tf_keras.optimizers."
             f"{type(optimizer).__name__}(mesh=mesh, ...) or pass its name")
     if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
-        raise ValueError(f"optimizer must be a name or a tf_keras.optimizers.Optimizer; got "
-                         f"{type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a name or a tf_keras.optimizers.Optimizer; got "
+                        f"{type(optimizer).__name__}")
     if type(optimizer).__name__.lower() in _UNSUPPORTED_OPTIMIZERS:
         raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DTensor: "
                          f"{_UNSUPPORTED_OPTIMIZERS[type(optimizer).__name__.lower()]}")
@@ -117,6 +124,7 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
 
 def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metric:
     """Returns a metric bound to ``mesh`` (see ``make_optimizer`` for why)."""
+    require_keras2(metric, "metric")
     if isinstance(metric, str):
         key = metric.strip().lower()
         class_name = METRICS.get(key)
@@ -129,8 +137,8 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
         name = key if key in METRICS else None
         return getattr(tf_keras.metrics, class_name)(mesh=mesh, name=name)
     if not isinstance(metric, tf_keras.metrics.Metric):
-        raise ValueError(f"metric must be a name or a tf_keras.metrics.Metric; got "
-                         f"{type(metric).__name__}")
+        raise TypeError(f"metric must be a name or a tf_keras.metrics.Metric; got "
+                        f"{type(metric).__name__}")
     if not _same_mesh(getattr(metric, "_mesh", None), mesh):
         raise ValueError(
             f"metric {metric.name!r} ({type(metric).__name__}) is not bound to the mesh: without "
@@ -157,6 +165,7 @@ def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
     real examples), so a ``tf_keras.losses.Loss`` is called without its own reduction. Named losses
     expect logits (``from_logits=True``), as dtk's reference models output.
     """
+    require_keras2(loss, "loss")
     if isinstance(loss, str):
         key = loss.strip().lower()
         if key not in LOSSES:
@@ -167,5 +176,5 @@ def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
         return loss.call
     if callable(loss):
         return loss
-    raise ValueError(f"loss must be a name, a tf_keras.losses.Loss or a callable; got "
-                     f"{type(loss).__name__}")
+    raise TypeError(f"loss must be a name, a tf_keras.losses.Loss or a callable; got "
+                    f"{type(loss).__name__}")

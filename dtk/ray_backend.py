@@ -8,8 +8,9 @@ training function, which builds the mesh, runs afterwards). A dead actor fails t
 seconds: the driver stops every other actor at once instead of letting them wait in a collective;
 ``max_restarts`` restarts the whole group (resume from a shared checkpoint directory).
 
-The cluster stays on loopback unless told otherwise (Ray would otherwise advertise the host's
-address, and DTensor's servers listen on all interfaces).
+Single machine only: the clients dial each other on 127.0.0.1 (ports picked on the driver), so
+every actor must run on the driver's node; Ray is started there with ``num_cpus`` for the group.
+DTensor's servers listen on all interfaces (see ``dtk.launch``): run Ray on a private network.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dtk.launch import LaunchConfig, free_ports
+from dtk import cluster
+from dtk.launch import LaunchConfig, free_ports, run_with_restarts
 
 
 class ClientFailedError(RuntimeError):
@@ -46,16 +48,14 @@ def _client_class(ray):
 
 def _run_group(ray, fn, config: LaunchConfig, timeout_s: float) -> list[Any]:
     ports = free_ports(config.num_clients)
-    jobs = ",".join(f"localhost:{p}" for p in ports)
+    jobs = [f"127.0.0.1:{p}" for p in ports]
     client_cls = _client_class(ray)
     actors = []
     for i in range(config.num_clients):
-        env = {"DTENSOR_JOBS": jobs, "DTENSOR_CLIENT_ID": str(i), "DTENSOR_JOB_NAME": "worker",
-               "DTK_REGISTER_TIMEOUT_S": str(config.start_timeout_s),
-               "DTK_HEARTBEAT_TIMEOUT_S": str(config.heartbeat_timeout_s),
-               "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-        if config.devices_per_client:
-            env["DTK_VIRTUAL_DEVICES"] = str(config.devices_per_client)
+        env = cluster.client_env(jobs=jobs, client=i, register_timeout_s=config.start_timeout_s,
+                                 heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                 virtual_devices=config.devices_per_client)
+        env["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")
         actors.append(client_cls.options(num_cpus=0).remote(env))
     refs = [actor.run.remote(fn) for actor in actors]
     index = {ref: i for i, ref in enumerate(refs)}
@@ -81,8 +81,8 @@ def _run_group(ray, fn, config: LaunchConfig, timeout_s: float) -> list[Any]:
 
 
 def run(fn: Callable[[], Any], *, num_clients: int, devices_per_client: int | None = None,
-        max_restarts: int = 0, timeout_s: float = 600.0, start_timeout_s: float = 120.0,
-        heartbeat_timeout_s: float = 10.0) -> list[Any]:
+        max_restarts: int = 0, timeout_s: float = 600.0, start_timeout_s: float = cluster.DEFAULT_REGISTER_TIMEOUT_S,
+        heartbeat_timeout_s: float = cluster.DEFAULT_HEARTBEAT_TIMEOUT_S) -> list[Any]:
     """Runs ``fn`` on ``num_clients`` Ray actors, each one DTensor client; returns their results.
 
     ``fn`` builds the mesh itself (``dtk.build_mesh``) and trains; it must be picklable
@@ -102,13 +102,16 @@ def run(fn: Callable[[], Any], *, num_clients: int, devices_per_client: int | No
     if not ray.is_initialized():
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
                  num_cpus=max(2, num_clients), log_to_driver=True)
-    attempt = 0
-    while True:
+
+    def attempt():
         try:
             return _run_group(ray, fn, config, timeout_s)
         except (ClientFailedError, TimeoutError) as e:
-            if attempt == config.max_restarts:
-                raise
-            attempt += 1
-            print(f"dtk.ray_backend: attempt {attempt} failed ({e}); restarting the group",
-                  flush=True)
+            return e
+
+    result = run_with_restarts(attempt, max_restarts=config.max_restarts,
+                               failed=lambda r: isinstance(r, Exception), describe=str,
+                               who="dtk.ray_backend")
+    if isinstance(result, Exception):
+        raise result
+    return result

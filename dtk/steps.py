@@ -17,10 +17,10 @@ the one-step function, with less Python and dispatch per step.
 
 Example::
 
-    steps = dtk.steps.build_steps(model, loss="sparse_categorical_crossentropy",
-                                  optimizer=dtk.make_optimizer("adam", mesh), metrics=[...],
-                                  mesh=mesh)
-    logs = steps.train(batch)        # one call; returns the last step's loss (a DTensor scalar)
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=dtk.make_optimizer("adam", mesh), metrics=["accuracy"], mesh=mesh)
+    loss = steps.train(batch)        # one call; returns the last step's loss (a DTensor scalar)
+    print(steps.results())           # {'loss': ..., 'accuracy': ...}
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.mesh import BATCH_AXIS
+from dtk.mesh import BATCH_AXIS, check_batch_axis
 from dtk.optimizers import make_loss, make_metrics, make_optimizer
 
 
@@ -133,6 +133,7 @@ class Steps:
         self.optimizer = make_optimizer(optimizer, mesh)
         self.metrics = make_metrics(list(metrics), mesh)
         self.loss_metric = tf_keras.metrics.Mean(name="loss", mesh=mesh)
+        check_batch_axis(mesh, config.batch_axis, what="StepConfig.batch_axis")
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
         self._masters = None
         if config.shard_optimizer_state:
@@ -157,6 +158,12 @@ class Steps:
         loss_fn = tf.__internal__.autograph.tf_convert(
             self.loss_fn, tf.__internal__.autograph.control_status_ctx())
         per_example = loss_fn(labels, predictions)
+        if per_example.shape.rank == 0:
+            raise ValueError(
+                f"the loss function {getattr(self.loss_fn, '__name__', self.loss_fn)!r} returned a "
+                "scalar; dtk needs per-example losses (shape [batch]) to weight padding and "
+                "normalize by the global batch. Return the unreduced losses (e.g. no "
+                "tf.reduce_mean at the end), or pass a tf_keras.losses.Loss")
         per_example = tf.cast(per_example, tf.float32)
         if per_example.shape.rank != 1:
             per_example = tf.reshape(per_example, [tf.shape(per_example)[0], -1])

@@ -21,6 +21,9 @@ history as an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,14 +32,33 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
+from tensorflow.python.eager import context
 
 from dtk import checkpoint as ckpt_lib
 from dtk import cluster
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
+from dtk import keras_check
+from dtk.input import DataSource
+from dtk.mesh import BATCH_AXIS
 from dtk.steps import StepConfig, Steps
 
 _PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
+_log = logging.getLogger("dtk")
+
+
+class NonFiniteLossError(ValueError):
+    """Training stopped because the loss became NaN or infinite."""
+
+
+def _ensure_console_logging() -> None:
+    """Shows dtk's INFO lines on stdout when the application configured no logging at all."""
+    if not _log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+        _log.propagate = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +77,13 @@ class TrainerConfig:
       tensorboard_dir: write per-epoch scalars there (client 0 only).
       max_steps: stop after this many training steps in all (counting steps done before a resume).
       verbose: 0 silent, 1 progress bar, 2 one line per epoch.
+      batch_axis: the data-parallel mesh axis, for the steps and the sharded update (the data's
+        ``InputConfig.batch_axis`` must be the same).
+      stop_on_nan: stop with ``NonFiniteLossError`` (naming the epoch and step) when the loss
+        becomes NaN or infinite, like Keras' ``TerminateOnNaN``; checked at every progress update
+        and epoch end, so no extra device sync.
+      restart_from_scratch: when ``checkpoint_dir`` holds checkpoints, start again from step 0
+        instead of resuming (new checkpoints then replace the old ones).
     """
 
     seed: int = 0
@@ -66,6 +95,16 @@ class TrainerConfig:
     tensorboard_dir: str | None = None
     max_steps: int | None = None
     verbose: int = 1
+    batch_axis: str = BATCH_AXIS
+    stop_on_nan: bool = True
+    restart_from_scratch: bool = False
+
+    def step_config(self) -> StepConfig:
+        """The inner loop's options, derived (one source of truth for shared fields)."""
+        return StepConfig(jit_compile=self.jit_compile,
+                          steps_per_execution=self.steps_per_execution,
+                          shard_optimizer_state=self.shard_optimizer_state,
+                          batch_axis=self.batch_axis)
 
     def __post_init__(self):
         if self.max_steps is not None and self.max_steps < 1:
@@ -117,38 +156,59 @@ class Trainer:
       metrics: metric names or mesh-bound metrics.
       config: ``TrainerConfig``.
       model_factory: the factory of an already built ``model``, for ``export``.
+      input_shape: one example's input shape (no batch dim), to build a subclassed model from a
+        factory (see ``dtk.build_model``).
+      allow_replicated: accept a table that shards no weight of this model (see
+        ``dtk.layouts.plan_weights``).
+
+    Raises:
+      TypeError: a Keras 3 object, or a model that is neither a factory nor a laid-out model.
+      ValueError: a bad layout plan, a batch axis the mesh lacks, unbound optimizer or metrics.
     """
 
     def __init__(self, *, mesh: dtensor.Mesh, model: tf_keras.Model | Callable[[], tf_keras.Model],
                  layout: Any = None, optimizer: Any = "adam",
                  loss: Any = "sparse_categorical_crossentropy",
                  metrics: Sequence[Any] = ("accuracy",), config: TrainerConfig = TrainerConfig(),
-                 model_factory: Callable[[], tf_keras.Model] | None = None):
+                 model_factory: Callable[[], tf_keras.Model] | None = None,
+                 input_shape: Sequence[int] | None = None, allow_replicated: bool = False):
+        if not isinstance(config, TrainerConfig):
+            raise TypeError(f"config must be a dtk.TrainerConfig; got {type(config).__name__}")
         self.mesh = mesh
         self.config = config
         self.layout_plan = None
+        mesh_lib.check_batch_axis(mesh, config.batch_axis, what="TrainerConfig.batch_axis")
+        keras_check.require_keras2(model, "model")
+        if config.verbose:
+            _ensure_console_logging()
         if isinstance(model, tf_keras.Model):
             if layout is not None:
                 raise ValueError("layout applies only when model is a factory; a built model already "
                                  "has its layouts. Pass the factory (e.g. dtk.models.mnist_mlp)")
+            if dtensor.fetch_layout(getattr(model.weights[0], "_variable", model.weights[0])
+                                    if model.weights else tf.zeros([])) is None:
+                raise ValueError(
+                    f"model {model.name!r} is a plain (not laid-out) tf_keras model: its weights "
+                    "are not DTensors on the mesh. Pass the model FACTORY instead (a function "
+                    "that builds it, e.g. model=dtk.models.mnist_mlp) and dtk lays it out, or "
+                    "build it with dtk.build_model")
             self.model, self.model_factory = model, model_factory
         elif callable(model):
             table = layouts_lib.load_table(layout or "data_parallel") if not isinstance(
                 layout, layouts_lib.LayoutTable) else layout
-            self.model, self.layout_plan = layouts_lib.build_model(model, mesh, table,
-                                                                    seed=config.seed)
+            self.model, self.layout_plan = layouts_lib.build_model(
+                model, mesh, table, seed=config.seed, input_shape=input_shape,
+                allow_replicated=allow_replicated, batch_axis=config.batch_axis)
             self.model_factory = model
         else:
-            raise ValueError(f"model must be a tf_keras.Model or a factory returning one; got "
-                             f"{type(model).__name__}")
-        if mesh_lib.num_clients() > 1:  # replicated weights silently diverge if seeds differ
+            raise TypeError(f"model must be a tf_keras.Model or a factory returning one; got "
+                            f"{type(model).__name__}")
+        if cluster.num_clients() > 1:  # replicated weights silently diverge if seeds differ
             checksum = float(sum(np.sum(w, dtype=np.float64) for w in ckpt_lib.gather_weights(
                 self.model)))
-            cluster.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
+            mesh_lib.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
         self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
-                           config=StepConfig(jit_compile=config.jit_compile,
-                                             steps_per_execution=config.steps_per_execution,
-                                             shard_optimizer_state=config.shard_optimizer_state))
+                           config=config.step_config())
         self.optimizer = self.steps.optimizer
         self.timing = Timing()
         self.history = History()
@@ -165,15 +225,47 @@ class Trainer:
         return int(self.optimizer.iterations.numpy())
 
     def _check_data(self, data: Any, *, stacked: int) -> None:
-        got = getattr(getattr(data, "config", None), "steps_per_call", 1)
+        if not isinstance(data, DataSource):
+            raise TypeError(
+                f"data must be a dtk.DistributedDataset (or another dtk.input.DataSource); got "
+                f"{type(data).__name__}. Wrap a tf.data.Dataset of unbatched (features, labels) "
+                "with dtk.DistributedDataset(dataset, mesh, dtk.InputConfig(global_batch_size="
+                "...)); numpy arrays first with tf.data.Dataset.from_tensor_slices((x, y))")
+        if data.mesh is not self.mesh and data.mesh != self.mesh:
+            raise ValueError("data is packed on another mesh than the trainer's; build the "
+                             "DistributedDataset with the trainer's mesh")
+        if data.config.batch_axis != self.config.batch_axis:
+            raise ValueError(
+                f"data is sharded on axis {data.config.batch_axis!r} (InputConfig.batch_axis) but "
+                f"the trainer's batch axis is {self.config.batch_axis!r} (TrainerConfig.batch_axis)"
+                "; set both to the same mesh axis")
+        got = data.config.steps_per_call
         if got != stacked:
             raise ValueError(
                 f"data stacks steps_per_call={got} batches per item but the trainer runs "
                 f"steps_per_execution={stacked}; build the training data with "
                 f"InputConfig(steps_per_call={stacked}) (evaluation data with 1)")
-        if getattr(data, "num_batches", None) in (None, 0):
-            raise ValueError("data has no batches (or an unknown number of batches per epoch); "
-                             "check the dataset and the global batch size")
+        if not data.num_batches:
+            raise ValueError(
+                f"data has no batches: {data.num_examples} example(s) with global_batch_size="
+                f"{data.config.global_batch_size} and remainder={data.config.remainder!r} give 0 "
+                "steps per epoch; use a smaller global batch size or remainder='pad'")
+        self._check_labels(data)
+
+    def _check_labels(self, data: Any) -> None:
+        """Sparse class labels outside the model's outputs fail inside a step: check them first."""
+        labels = getattr(data, "labels", None)
+        loss_name = type(getattr(self.steps.loss_fn, "__self__", None)).__name__
+        classes = self.model.outputs[0].shape[-1] if getattr(self.model, "outputs", None) else None
+        if labels is None or classes is None or loss_name != "SparseCategoricalCrossentropy":
+            return
+        labels = np.asarray(labels)
+        bad = labels[(labels < 0) | (labels >= classes)]
+        if bad.size:
+            raise ValueError(
+                f"labels hold {bad.size} value(s) outside [0, {classes}) (e.g. {int(bad[0])}); the "
+                f"model has {classes} outputs. Fix the labels, or give the model "
+                f"{int(labels.max()) + 1} outputs")
 
     def fit(self, train_data: Any, *, epochs: int, validation_data: Any = None,
             on_epoch_end: Sequence[Callable[[int, dict], Any]] = (),
@@ -199,10 +291,10 @@ class Trainer:
         steps_per_epoch = train_data.num_batches
         self.history = History()
         epoch, skip = self._resume(steps_per_epoch)
-        dropped = getattr(train_data, "num_dropped", 0)
-        if dropped and self.config.verbose and mesh_lib.client_id() == 0:
-            print(f"Training drops {dropped} of {train_data.num_examples} examples per epoch "
-                  "(remainder='drop': the global batch size does not divide the data)")
+        dropped = train_data.num_dropped
+        if dropped and self.config.verbose and cluster.is_lead_client():
+            _log.info("Training drops %d of %d examples per epoch (remainder='drop': the global "
+                      "batch size does not divide the data)", dropped, train_data.num_examples)
         writer = self._summary_writer()
         self.timing = Timing()
         while epoch < epochs and not self._done():
@@ -232,7 +324,7 @@ class Trainer:
 
     def _run_epoch(self, data, epoch, skip, steps_per_epoch, on_step_end):
         progbar = None
-        if self.config.verbose == 1 and mesh_lib.client_id() == 0:
+        if self.config.verbose == 1 and cluster.is_lead_client():
             print(f"Epoch {epoch + 1}")
             progbar = tf_keras.utils.Progbar(steps_per_epoch, stateful_metrics=self._metric_names())
         done = skip
@@ -244,7 +336,7 @@ class Trainer:
                 if left < n:
                     batch, n = _first_steps(batch, left), left
             start = time.perf_counter()
-            loss = self.steps.train(batch)
+            loss = self._call_step(self.steps.train, batch, epoch)
             if self.timing.first_step_s is None:
                 float(loss)
                 self.timing.first_step_s = time.perf_counter() - start
@@ -257,15 +349,40 @@ class Trainer:
             if self._done():
                 break
             if time.perf_counter() - window_start >= _PROGRESS_INTERVAL_S:
-                results = self.steps.results()  # syncs
+                results = self._results(epoch)  # syncs
                 window_steps, window_start = self._close_window(window_steps, window_start, epoch)
                 if progbar is not None:
                     progbar.update(done, list(results.items()))
-        logs = self.steps.results()
+        logs = self._results(epoch)
         self._close_window(window_steps, window_start, epoch)
         if progbar is not None:
             progbar.update(done, list(logs.items()), finalize=True)
         return logs, self._done() and done < steps_per_epoch
+
+    def _call_step(self, step_fn, batch, epoch: int | None):
+        """Runs a compiled call; a failed step leaves DTensor usable and says where it failed."""
+        try:
+            return step_fn(batch)
+        except tf.errors.OpError as e:
+            context.async_clear_error()  # else every later DTensor call in the process fails
+            where = f"epoch {epoch + 1}, step {self.global_step + 1}" if epoch is not None else \
+                "evaluation"
+            raise ValueError(f"a step failed in {where}: {_first_line(e)}") from e
+
+    def _results(self, epoch: int) -> dict[str, float]:
+        """Metric values (a device sync); stops training on a non-finite loss if configured."""
+        try:
+            results = self.steps.results()
+        except tf.errors.OpError as e:
+            context.async_clear_error()
+            raise ValueError(f"a step failed in epoch {epoch + 1}: {_first_line(e)}") from e
+        if self.config.stop_on_nan and not math.isfinite(results.get("loss", 0.0)):
+            raise NonFiniteLossError(
+                f"the training loss became {results['loss']} in epoch {epoch + 1}, by step "
+                f"{self.global_step}; lower the learning rate, check the data for NaN or "
+                "infinite values, or clip gradients (e.g. make_optimizer(..., "
+                "global_clipnorm=1.0)). TrainerConfig(stop_on_nan=False) trains on regardless")
+        return results
 
     def _close_window(self, steps: int, start: float, epoch: int) -> tuple[int, float]:
         """Records a timing window ending now (after a sync); returns a fresh one."""
@@ -281,21 +398,27 @@ class Trainer:
     def _resume(self, steps_per_epoch: int) -> tuple[int, int]:
         if self._checkpointer is None:
             return 0, 0
+        if self.config.restart_from_scratch:
+            if cluster.is_lead_client() and self._checkpointer.candidates():
+                _log.warning("restart_from_scratch: removing the checkpoints in %s",
+                             self._checkpointer.directory)
+                self._checkpointer.clear()
+            return 0, 0
         state = self._checkpointer.restore()
         if state is None:
             return 0, 0
         self.steps.sync_update_state()
         if state.get("steps_per_epoch") != steps_per_epoch:
             raise ValueError(
-                f"checkpoint {self._checkpointer.latest} was written with {state.get('steps_per_epoch')}"
+                f"checkpoint {self._checkpointer.restored} was written with {state.get('steps_per_epoch')}"
                 f" steps per epoch, but this data gives {steps_per_epoch}: the data or the global "
                 "batch size changed, so the run cannot resume at the same position. Use the same "
                 "data and batch size, or a new checkpoint directory")
         self.history = History(epochs=list(state["history"]["epochs"]),
                                history={k: list(v) for k, v in state["history"]["logs"].items()})
-        if mesh_lib.client_id() == 0 and self.config.verbose:
-            print(f"Resumed from {self._checkpointer.latest}: epoch {state['epoch'] + 1}, batch "
-                  f"{state['batch_in_epoch']}, step {self.global_step}")
+        if cluster.is_lead_client() and self.config.verbose:
+            _log.info("Resumed from %s: epoch %d, batch %d, step %d", self._checkpointer.restored,
+                      state["epoch"] + 1, state["batch_in_epoch"], self.global_step)
         return int(state["epoch"]), int(state["batch_in_epoch"])
 
     def _save(self, epoch: int, batch_in_epoch: int, steps_per_epoch: int) -> None:
@@ -316,8 +439,12 @@ class Trainer:
         self._check_data(data, stacked=1)
         self.steps.reset_metrics()
         for batch in data.epoch(0):
-            self.steps.evaluate(batch)
-        results = self.steps.results()
+            self._call_step(self.steps.evaluate, batch, None)
+        try:
+            results = self.steps.results()
+        except tf.errors.OpError as e:
+            context.async_clear_error()
+            raise ValueError(f"evaluation failed: {_first_line(e)}") from e
         results["examples"] = int(round(float(self.steps.loss_metric.count.numpy())))
         self.steps.reset_metrics()
         return results
@@ -342,20 +469,26 @@ class Trainer:
 
     # -- output -----------------------------------------------------------------------------------
     def _summary_writer(self):
-        if self.config.tensorboard_dir and mesh_lib.client_id() == 0:
+        if self.config.tensorboard_dir and cluster.is_lead_client():
             return tf.summary.create_file_writer(self.config.tensorboard_dir)
         return None
 
     def _log_epoch(self, epoch, epochs, logs, writer, *, partial=False) -> None:
-        if mesh_lib.client_id() == 0 and self.config.verbose:
+        if cluster.is_lead_client() and self.config.verbose:
             text = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
             note = f" (stopped at max_steps={self.config.max_steps})" if partial else ""
-            print(f"epoch {epoch + 1}/{epochs} - {text}{note}", flush=True)
+            _log.info("epoch %d/%d - %s%s", epoch + 1, epochs, text, note)
         if writer is not None:
             with writer.as_default():
                 for key, value in logs.items():
                     tf.summary.scalar(key, value, step=epoch + 1)
             writer.flush()
+
+
+def _first_line(e: BaseException) -> str:
+    message = getattr(e, "message", None) or str(e)
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    return lines[0][:400] if lines else type(e).__name__
 
 
 def _num_steps(batch, steps_per_execution: int) -> int:

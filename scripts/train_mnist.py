@@ -1,23 +1,29 @@
 """Train an MNIST model with dtk on a mesh: the command every dtk user runs first.
 
-    python scripts/train_mnist.py --mesh batch=8                       # TFDS MNIST (needs internet once)
+    python scripts/train_mnist.py --mesh batch=8                       # TFDS MNIST, else the bundled sample
     python scripts/train_mnist.py --mesh batch=8 --dataset idx --data_dir ../shared/data/mnist
     python scripts/train_mnist.py --mesh batch=4,model=2 --layout mlp_model_parallel ...
 
 Prints the mesh, the layout summary, a progress bar per epoch, per-epoch train loss and accuracy,
 then loss and accuracy on the whole test set (every example counted). ``--summary_json`` writes the
 results as one JSON object. Re-running with the same ``--checkpoint_dir`` resumes.
+
+Every user error (a bad flag, a layout table that does not fit the model, an unwritable output path,
+a checkpoint of another model) is one ``error:`` line on stderr and exit status 2, found before
+training where it can be. TensorFlow's start-up log lines are hidden unless ``--verbosity`` is given.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import sys
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 _START = time.perf_counter()
 
@@ -30,14 +36,15 @@ flags.DEFINE_integer("virtual_devices", None, "CPU only: logical CPU devices to 
                      "(default: as many as the mesh needs).")
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model: the tutorial MLP or a small CNN.")
 flags.DEFINE_string("layout", None, "Layout table: a name from layouts/ or a path to a table file "
-                    "(default: data_parallel for mlp, cnn_data_parallel for cnn).")
-flags.DEFINE_enum("dataset", "tfds", ["tfds", "idx"], "Data source: tensorflow_datasets, or LeCun "
-                  "IDX files in --data_dir (offline).")
+                    "(default: the model's table, data_parallel for mlp, cnn_data_parallel for cnn).")
+flags.DEFINE_enum("dataset", "tfds", ["tfds", "idx", "sample"], "Data source: tensorflow_datasets "
+                  "(falls back to the bundled sample when offline and no --data_dir), LeCun IDX "
+                  "files in --data_dir, or the sample bundled with dtk (2,000 + 1,000 images).")
 flags.DEFINE_string("data_dir", None, "TFDS data dir, or the directory of IDX files.")
 flags.DEFINE_integer("epochs", 3, "Epochs to train.")
 flags.DEFINE_integer("global_batch_size", 128, "Global batch size (a multiple of the batch axis).")
 flags.DEFINE_float("learning_rate", None, "Learning rate (default: tuned per model and optimizer, "
-                   "see DEFAULT_LEARNING_RATES).")
+                   "see dtk.models.MODEL_SPECS).")
 flags.DEFINE_string("optimizer", None, "Optimizer name: sgd, adam, adamw, rmsprop, adagrad, ... "
                     "(default: sgd for mlp, adam for cnn).")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data order (identical on every client).")
@@ -51,14 +58,12 @@ flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
 flags.DEFINE_bool("explain_layouts", False, "Print the layout table of every weight and exit.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps in all.")
 flags.DEFINE_string("summary_json", None, "Write a JSON summary of the run to this path.")
+flags.DEFINE_bool("restart_from_scratch", False, "Remove the checkpoints in --checkpoint_dir and "
+                  "start again (by default a run resumes from them).")
+flags.DEFINE_bool("allow_replicated", False, "Accept a --layout table that shards no weight of "
+                  "the model (by default an error: everything would train replicated).")
 
-DEFAULT_LAYOUTS = {"mlp": "data_parallel", "cnn": "cnn_data_parallel"}
-DEFAULT_OPTIMIZERS = {"mlp": "sgd", "cnn": "adam"}
-# In 3 epochs on the offline 24,345 training images: mlp + sgd 0.45 -> 95.6% test accuracy with
-# per-epoch losses equal on every mesh to 1e-7 (Adam at the learning rates that reach 95.5% turns
-# float rounding into 1e-3 differences over 570 steps); cnn + adam 3e-3 -> 98.4%.
-DEFAULT_LEARNING_RATES = {("mlp", "sgd"): 0.45, ("mlp", "adam"): 2e-3, ("cnn", "adam"): 3e-3,
-                          ("cnn", "sgd"): 0.1}
+_OUTPUT_DIRS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 
 
 class _Fail(Exception):
@@ -67,7 +72,7 @@ class _Fail(Exception):
 
 def _check_flags(dtk) -> tuple:
     """Validates what can be checked before TensorFlow starts; returns (mesh spec, layout table)."""
-    from dtk import layouts, optimizers  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, models, optimizers  # pylint: disable=g-import-not-at-top
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
@@ -77,6 +82,16 @@ def _check_flags(dtk) -> tuple:
             raise _Fail(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     if FLAGS.max_steps is not None and FLAGS.max_steps < 1:
         raise _Fail(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
+    if FLAGS.virtual_devices is not None and FLAGS.virtual_devices < 1:
+        raise _Fail(f"--virtual_devices must be a positive integer; got {FLAGS.virtual_devices} "
+                    "(leave it out to create as many as the mesh needs)")
+    lr = FLAGS.learning_rate
+    if lr is not None and not (lr > 0 and lr != float("inf")):
+        raise _Fail(f"--learning_rate must be a positive, finite number; got {lr}")
+    if dtk.BATCH_AXIS not in spec.axis_names:
+        raise _Fail(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
+                    f"inputs are sharded on; add one, e.g. --mesh {dtk.BATCH_AXIS}=1,{spec}")
+    _check_outputs()
     batch_size = dict(spec.axes).get(dtk.BATCH_AXIS, 1)
     if FLAGS.global_batch_size % batch_size:
         raise _Fail(f"--global_batch_size {FLAGS.global_batch_size} is not divisible by mesh axis "
@@ -84,6 +99,11 @@ def _check_flags(dtk) -> tuple:
     if FLAGS.optimizer and FLAGS.optimizer.lower() not in optimizers.OPTIMIZERS:
         raise _Fail(f"--optimizer {FLAGS.optimizer!r} is unknown; choose one of "
                     f"{', '.join(sorted(optimizers.OPTIMIZERS))}")
+    if FLAGS.dataset == "sample" and FLAGS.data_dir:
+        raise _Fail("--dataset sample reads the sample bundled with dtk; drop --data_dir (or use "
+                    "--dataset idx --data_dir DIR)")
+    if FLAGS.data_dir and FLAGS.dataset == "tfds" and not os.path.isdir(FLAGS.data_dir):
+        raise _Fail(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     if FLAGS.dataset == "idx":
         if not FLAGS.data_dir:
             raise _Fail("--dataset idx needs --data_dir DIR (a directory of MNIST IDX files, e.g. "
@@ -91,10 +111,46 @@ def _check_flags(dtk) -> tuple:
         if not os.path.isdir(FLAGS.data_dir):
             raise _Fail(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     try:
-        table = layouts.load_table(FLAGS.layout or DEFAULT_LAYOUTS[FLAGS.model])
+        table = layouts.load_table(FLAGS.layout or models.MODEL_SPECS[FLAGS.model].layout)
     except ValueError as e:
         raise _Fail(f"--layout: {e}") from None
+    _check_cores(spec)
     return spec, table
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    """Checks that ``path`` is (or can be created as) a writable directory, without leaving it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise _Fail(f"--{flag} {path!r} is a file; give a directory")
+    parent = path
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise _Fail(f"--{flag} {path!r} is not writable (no write permission on {parent!r}); "
+                    "give a writable path")
+
+
+def _check_outputs() -> None:
+    """Output paths are checked before any training, so a run never fails at its end."""
+    for flag in _OUTPUT_DIRS:
+        if getattr(FLAGS, flag):
+            _writable_dir(flag, getattr(FLAGS, flag))
+    path = FLAGS.summary_json
+    if path:
+        if path.endswith(os.sep) or os.path.isdir(path):
+            raise _Fail(f"--summary_json {path!r} is a directory; give a file path, e.g. "
+                        f"{os.path.join(path, 'summary.json')}")
+        _writable_dir("summary_json", os.path.dirname(os.path.abspath(path)))
+
+
+def _check_cores(spec) -> None:
+    """Warns when virtual CPUs far outnumber the cores: every step then runs at a crawl."""
+    cores = os.cpu_count() or 1
+    devices = FLAGS.virtual_devices or spec.num_devices
+    if FLAGS.device in ("auto", "cpu") and FLAGS.virtual_devices is None and devices > 8 * cores:
+        raise _Fail(f"--mesh {spec} needs {devices} virtual CPUs on a machine with {cores} "
+                    f"core(s): each step would be about {devices // cores}x slower than on one "
+                    f"device. Use a smaller mesh, or confirm with --virtual_devices {devices}")
 
 
 def _versions() -> dict:
@@ -106,59 +162,65 @@ def _versions() -> dict:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
+def _check_device(dtk) -> None:
+    """``--device gpu``/``tpu`` on a machine without one: one line, before DTensor sees it."""
+    if FLAGS.device in ("gpu", "tpu"):
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        if not tf.config.list_physical_devices(FLAGS.device.upper()):
+            raise _Fail(f"--device {FLAGS.device}: this machine has no {FLAGS.device.upper()} "
+                        "that TensorFlow can see; use --device cpu (or auto)")
+    del dtk
+
+
 def run() -> dict:
     """Trains and evaluates as the flags say; returns the summary."""
     import dtk  # pylint: disable=g-import-not-at-top  (sets DTensor's env before TF traces)
     spec, table = _check_flags(dtk)
+    _check_device(dtk)
 
-    import functools  # pylint: disable=g-import-not-at-top
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, models  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, mnist, models  # pylint: disable=g-import-not-at-top
 
     try:
         mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
                               virtual_devices=FLAGS.virtual_devices)
     except ValueError as e:
         raise _Fail(f"--mesh {FLAGS.mesh}: {e}") from None
-    lead = dtk.mesh.client_id() == 0
+    lead = dtk.cluster.is_lead_client()
     if lead:
         print(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    factory = functools.partial(models.MODELS[FLAGS.model])
+    model_spec = models.MODEL_SPECS[FLAGS.model]
+    factory = model_spec.factory
 
     if FLAGS.explain_layouts:
-        plan = layouts.plan_layouts(table, mesh, factory)
+        plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated)
         print(layouts.explain(plan))
         return {}
 
-    try:
-        train_raw = input_lib.load_mnist("train", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
-        test_raw = input_lib.load_mnist("test", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
-    except ValueError as e:  # includes DataUnavailableError (offline TFDS)
-        raise _Fail(str(e).splitlines()[0]) from None
-    try:
-        train = input_lib.DistributedDataset(train_raw, mesh, input_lib.InputConfig(
-            global_batch_size=FLAGS.global_batch_size, remainder="drop", shuffle=True,
-            seed=FLAGS.seed, steps_per_call=FLAGS.steps_per_execution))
-        test = input_lib.DistributedDataset(test_raw, mesh, input_lib.InputConfig(
-            global_batch_size=FLAGS.global_batch_size, remainder="pad"))
-    except ValueError as e:
-        raise _Fail(str(e)) from None
+    train_raw = mnist.load_mnist("train", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
+    test_raw = mnist.load_mnist("test", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
+    train = input_lib.DistributedDataset(train_raw, mesh, input_lib.InputConfig(
+        global_batch_size=FLAGS.global_batch_size, remainder="drop", shuffle=True,
+        seed=FLAGS.seed, steps_per_call=FLAGS.steps_per_execution))
+    test = input_lib.DistributedDataset(test_raw, mesh, input_lib.InputConfig(
+        global_batch_size=FLAGS.global_batch_size, remainder="pad"))
 
-    optimizer_name = (FLAGS.optimizer or DEFAULT_OPTIMIZERS[FLAGS.model]).lower()
-    learning_rate = FLAGS.learning_rate or DEFAULT_LEARNING_RATES.get(
-        (FLAGS.model, optimizer_name), 0.1 if optimizer_name == "sgd" else 1e-3)
+    optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
+    learning_rate = FLAGS.learning_rate or model_spec.learning_rate(optimizer_name)
     optimizer = dtk.make_optimizer(optimizer_name, mesh, learning_rate=learning_rate)
     trainer = dtk.Trainer(
         mesh=mesh, model=factory, layout=table, optimizer=optimizer,
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+        allow_replicated=FLAGS.allow_replicated,
         config=dtk.TrainerConfig(
             seed=FLAGS.seed, steps_per_execution=FLAGS.steps_per_execution,
             shard_optimizer_state=FLAGS.shard_optimizer_state,
             checkpoint_dir=FLAGS.checkpoint_dir, tensorboard_dir=FLAGS.tensorboard_dir,
-            max_steps=FLAGS.max_steps, verbose=1 if lead else 0))
+            max_steps=FLAGS.max_steps, verbose=1 if lead else 0,
+            restart_from_scratch=FLAGS.restart_from_scratch))
     if lead:
         print(layouts.explain(trainer.layout_plan).splitlines()[-1], flush=True)
 
@@ -172,7 +234,7 @@ def run() -> dict:
     timing = trainer.timing
     return {
         "mesh": str(spec), "device_type": mesh.device_type(),
-        "num_clients": dtk.mesh.num_clients(), "model": FLAGS.model, "layout": table.name,
+        "num_clients": dtk.cluster.num_clients(), "model": FLAGS.model, "layout": table.name,
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,
         "global_batch_size": FLAGS.global_batch_size,
         "steps_per_execution": FLAGS.steps_per_execution, "steps": trainer.global_step,
@@ -190,19 +252,47 @@ def run() -> dict:
     }
 
 
+def _quiet_logs() -> None:
+    """Hides TensorFlow's C++ start-up lines and DTensor's INFO lines unless --verbosity is given."""
+    if not FLAGS["verbosity"].present:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
+        absl_logging.set_verbosity(absl_logging.ERROR)
+        # TensorFlow's C++ writes a few lines while it loads (CUDA probes on a CPU-only machine),
+        # before its log level applies: load it with stderr closed.
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 2)
+                import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    log = logging.getLogger("dtk")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv):
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}; all options are --flags (see --helpfull)",
               file=sys.stderr)
         return 2
+    _quiet_logs()
     try:
         summary = run()
     except _Fail as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (ValueError, TypeError) as e:  # dtk's user errors: one line, no traceback
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
+        return 2
     if FLAGS.summary_json and summary:
         import dtk  # pylint: disable=g-import-not-at-top
-        if dtk.mesh.client_id() == 0:
+        if dtk.cluster.is_lead_client():
             os.makedirs(os.path.dirname(os.path.abspath(FLAGS.summary_json)), exist_ok=True)
             tmp = FLAGS.summary_json + ".tmp"
             with open(tmp, "w") as f:

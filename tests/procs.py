@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from dtk import cluster
 from dtk.launch import free_ports  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +34,10 @@ def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float =
 def run_clients(code: str, num_clients: int, *, timeout: float = 180,
                 extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """Runs ``code`` as ``num_clients`` DTensor clients on loopback; kills all at the timeout."""
-    ports = free_ports(num_clients)
-    jobs = ",".join(f"localhost:{p}" for p in ports)
+    jobs = [f"127.0.0.1:{p}" for p in free_ports(num_clients)]
     procs = []
     for i in range(num_clients):
-        env = base_env(DTENSOR_JOBS=jobs, DTENSOR_CLIENT_ID=str(i), DTENSOR_JOB_NAME="worker",
-                       **(extra_env or {}))
+        env = base_env(**cluster.client_env(jobs=jobs, client=i), **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []

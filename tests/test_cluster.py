@@ -9,6 +9,7 @@ from tensorflow.python.eager import context
 
 import dtk
 from dtk import cluster
+from dtk import mesh as mesh_lib
 from tests import procs
 
 
@@ -98,7 +99,7 @@ def test_bad_timeout_setting(monkeypatch):
 
 
 def test_same_on_all_clients_is_a_no_op_single_client():
-    cluster.check_same_on_all_clients(dtk.build_mesh("batch=8"), 1.0, what="x")
+    assert mesh_lib.check_same_on_all_clients(dtk.build_mesh("batch=8"), 1.5, what="x") == {0: 1.5}
 
 
 @pytest.mark.slow

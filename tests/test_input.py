@@ -52,12 +52,18 @@ def test_pack_stacked_and_nested(spec):
     assert_dtensor(packed["x"], value=stack["x"])
 
 
-def test_pack_without_batch_axis_replicates():
+def test_pack_without_batch_axis_is_an_error():
+    """Inputs silently replicated on every device would train on the wrong batch."""
     mesh = dtk.build_mesh("model=8")
     _, y, _ = _batch(6)
-    packed = input_lib.pack(mesh, y)
-    assert dtensor.fetch_layout(packed).is_fully_replicated()
-    assert_dtensor(packed, value=y)
+    with pytest.raises(ValueError, match=r"batch_axis 'batch' is not an axis of mesh model=8; use "
+                                         r"one of \['model'\].*add a batch=1 axis"):
+        input_lib.pack(mesh, y)
+    with pytest.raises(ValueError, match=r"InputConfig.batch_axis 'data' is not an axis of mesh "
+                                         r"batch=8"):
+        input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices((y, y)),
+                                     dtk.build_mesh("batch=8"),
+                                     input_lib.InputConfig(global_batch_size=8, batch_axis="data"))
 
 
 @pytest.mark.parametrize("tree, kwargs, words", [
@@ -167,8 +173,8 @@ def test_prefetch_stops_early_and_reraises(monkeypatch):
 
 # -- sources --------------------------------------------------------------------------------------
 def test_idx_mnist_counts_and_values():
-    train = input_lib.load_mnist("train", source="idx", data_dir=str(DATA))
-    test = input_lib.load_mnist("test", source="idx", data_dir=str(DATA))
+    train = mnist.load_mnist("train", source="idx", data_dir=str(DATA))
+    test = mnist.load_mnist("test", source="idx", data_dir=str(DATA))
     mesh = dtk.build_mesh("batch=8")
     evaluation = input_lib.DistributedDataset(test, mesh, input_lib.InputConfig(
         global_batch_size=128, remainder="pad"))
@@ -193,31 +199,31 @@ def _write_idx(path: Path, magic: bytes, dims, payload: bytes, compress=False):
 
 def test_idx_errors(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
-        input_lib.load_mnist("train", source="idx", data_dir=str(tmp_path / "nope"))
+        mnist.load_mnist("train", source="idx", data_dir=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\[.gz\] not found"):
-        input_lib.load_mnist("test", source="idx", data_dir=str(tmp_path))
+        mnist.load_mnist("test", source="idx", data_dir=str(tmp_path))
     images, labels = tmp_path / "t10k-images-idx3-ubyte", tmp_path / "t10k-labels-idx1-ubyte.gz"
     _write_idx(images, b"\x00\x00\x08\x03", (3, 28, 28), bytes(3 * 784))
     _write_idx(labels, b"\x00\x00\x08\x01", (2,), bytes(2), compress=True)
     with pytest.raises(ValueError, match="holds 3 images but .* holds 2 labels"):
-        input_lib.load_mnist("test", source="idx", data_dir=str(tmp_path))
+        mnist.load_mnist("test", source="idx", data_dir=str(tmp_path))
     _write_idx(images, b"\x12\x34\x08\x03", (3, 28, 28), bytes(3 * 784))
     with pytest.raises(ValueError, match=f"IDX file {images}: bad magic number '12340803'"):
-        input_lib.load_mnist("test", source="idx", data_dir=str(tmp_path))
+        mnist.load_mnist("test", source="idx", data_dir=str(tmp_path))
     _write_idx(images, b"\x00\x00\x08\x03", (3, 28, 28), bytes(100))
     with pytest.raises(ValueError, match="truncated or corrupt"):
-        input_lib.load_mnist("test", source="idx", data_dir=str(tmp_path))
+        mnist.load_mnist("test", source="idx", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="split 'validation' is not one of train, test"):
-        input_lib.load_mnist("validation", source="idx", data_dir=str(DATA))
+        mnist.load_mnist("validation", source="idx", data_dir=str(DATA))
     with pytest.raises(ValueError, match="source 'web'"):
-        input_lib.load_mnist("test", source="web")
+        mnist.load_mnist("test", source="web")
 
 
 def test_tfds_route_with_mock_data(monkeypatch):
     import tensorflow_datasets as tfds
     monkeypatch.setattr(mnist, "network_reachable", lambda: True)
     with tfds.testing.mock_data(num_examples=40):
-        ds = input_lib.load_mnist("train", source="tfds")
+        ds = mnist.load_mnist("train", source="tfds")
         data = input_lib.DistributedDataset(ds, dtk.build_mesh("batch=8"),
                                             input_lib.InputConfig(global_batch_size=16,
                                                                   remainder="pad"))
@@ -230,8 +236,8 @@ def test_tfds_route_with_mock_data(monkeypatch):
 
 def test_tfds_offline_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setenv("DTK_OFFLINE", "1")
-    with pytest.raises(input_lib.DataUnavailableError, match="source='idx' with data_dir"):
-        input_lib.load_mnist("train", source="tfds", data_dir=str(tmp_path))
+    with pytest.raises(mnist.DataUnavailableError, match="source='idx' with data_dir"):
+        mnist.load_mnist("train", source="tfds", data_dir=str(tmp_path))
 
 
 # -- multi-client ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_shipped_tables_load():
     for name in names:
         table = layouts.load_table(name)
         assert table.name == name and table.description and table.axes
-    with pytest.raises(ValueError, match="'nope' is unknown; shipped tables: cnn_data_parallel"):
+    with pytest.raises(ValueError, match="'nope' is unknown; tables: cnn_data_parallel"):
         layouts.load_table("nope")
 
 
@@ -67,7 +67,7 @@ def test_mlp_model_parallel_plan_and_explainer():
     # The 2 devices of one model group hold the sharded weights once and the replicated ones twice.
     assert 2 * per_device == total + 10 * 4
     assert "d1.kernel  [784, 128]" in text and "[unsharded, model]" in text
-    assert "(default: replicated)" in text
+    assert "d[2468]\\.bias" in text and "(default:" not in text
     assert text.splitlines()[-1] == ("layouts: mlp_model_parallel on batch=4,model=2: 4 weights "
                                      "(3 sharded), 397.5 KiB in all, 198.8 KiB per device")
 
@@ -101,9 +101,16 @@ def test_unknown_axes_unused_rules_and_defaults(tmp_path):
         _table(tmp_path, '[[rules]]\npattern = "x"\ndims = ["expert"]\n')
     unused = _table(tmp_path, '[[rules]]\npattern = "d9.kernel"\ndims = ["unsharded", "model"]\n')
     mesh = dtk.build_mesh("batch=4,model=2")
-    plan = layouts.plan_weights(unused, mesh, MLP_PATHS)
+    # A table that shards on model but matches nothing would train everything replicated.
+    with pytest.raises(ValueError, match=r"shards weights on mesh axes \['model'\], but on this "
+                                         r"model it shards none.*allow_replicated=True"):
+        layouts.plan_weights(unused, mesh, MLP_PATHS)
+    plan = layouts.plan_weights(unused, mesh, MLP_PATHS, allow_replicated=True)
     assert [r.pattern for r in plan.unused_rules] == ["d9.kernel"]
     assert "match no weight" in plan.warnings[0]
+    assert "4 weight(s) matched no rule" in plan.warnings[1]
+    summary = layouts.explain(plan).splitlines()[-1]
+    assert "WARNING: 1 rule(s) matched nothing; WARNING: 4 weight(s) by default" in summary
     with pytest.raises(ValueError, match=r"rule\(s\) \['d9.kernel'\] match no weight"):
         layouts.plan_weights(unused, mesh, MLP_PATHS, strict=True)
     strict_default = _table(tmp_path, 'default = "error"\n')
