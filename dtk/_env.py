@@ -125,3 +125,21 @@ def get_flag(name: str) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def import_tensorflow_quietly() -> None:
+    """Imports TensorFlow with its load-time C++ lines hidden (command-line tools, not verbose).
+
+    TensorFlow writes a few lines while it loads (CUDA probes on a CPU-only machine) before its
+    log level applies, so ``TF_CPP_MIN_LOG_LEVEL`` alone does not hide them: stderr is closed for
+    the import. Errors of the import itself are still raised.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -255,18 +255,9 @@ def run() -> dict:
 def _quiet_logs() -> None:
     """Hides TensorFlow's C++ start-up lines and DTensor's INFO lines unless --verbosity is given."""
     if not FLAGS["verbosity"].present:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads
         absl_logging.set_verbosity(absl_logging.ERROR)
-        # TensorFlow's C++ writes a few lines while it loads (CUDA probes on a CPU-only machine),
-        # before its log level applies: load it with stderr closed.
-        saved = os.dup(2)
-        try:
-            with open(os.devnull, "w") as devnull:
-                os.dup2(devnull.fileno(), 2)
-                import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+        from dtk import _env  # pylint: disable=g-import-not-at-top
+        _env.import_tensorflow_quietly()
     log = logging.getLogger("dtk")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the built wheel into a fresh venv outside the checkout and checks what a user gets:
+# the layout tables and the MNIST sample inside the package, a launcher that does not load
+# TensorFlow, the console scripts, and train_mnist.py training on the bundled sample offline.
+# Dependencies come from the CI venv (a .pth file) so nothing is downloaded twice.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+wheel="$(ls "$repo"/dist/dtk-*.whl | head -n 1)"
+deps="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+python -m venv "$tmp/venv"
+echo "$deps" > "$("$tmp/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ci-deps.pth"
+"$tmp/venv/bin/pip" install -q --no-deps "$wheel"
+cd "$tmp"
+export DTK_OFFLINE=1 TF_CPP_MIN_LOG_LEVEL=2
+"$tmp/venv/bin/python" - <<'PY'
+import sys
+import dtk, dtk.launch
+assert "tensorflow" not in sys.modules, "import dtk / dtk.launch loaded TensorFlow"
+assert "/site-packages/dtk/" in dtk.__file__, dtk.__file__
+from dtk import layouts
+tables = layouts.available_tables()
+assert {"data_parallel", "mlp_model_parallel", "cnn_data_parallel"} <= set(tables), tables
+print("wheel smoke: tables", tables)
+PY
+"$tmp/venv/bin/python" -m dtk.launch --help > /dev/null
+"$tmp/venv/bin/dtk-launch" --help > /dev/null
+"$tmp/venv/bin/dtk-explain" --model mlp --mesh batch=4,model=2 --layout mlp_model_parallel | tail -n 1
+cp "$repo/scripts/train_mnist.py" "$tmp/"
+timeout 600 "$tmp/venv/bin/python" "$tmp/train_mnist.py" --mesh batch=8 --epochs 1 \
+    --summary_json "$tmp/summary.json" > "$tmp/out.txt" 2>&1 || { cat "$tmp/out.txt"; exit 1; }
+grep -q "using the sample bundled with dtk" "$tmp/out.txt"
+"$tmp/venv/bin/python" - "$tmp/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["test_examples"] == 1000 and s["train_examples_per_epoch"] == 2000, s
+assert s["test_accuracy"] > 0.6, s["test_accuracy"]
+print(f"wheel smoke: train_mnist on the bundled sample, test accuracy {s['test_accuracy']:.4f}")
+PY
+echo "wheel smoke: ok"
