@@ -2,7 +2,10 @@
 
 Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after global step N
 (once, if MC_MARKER names a file that does not exist yet; it is created); MC_NEVER_START=1 makes
-client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON.
+client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
+MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
+interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
+after every step.
 """
 
 import json
@@ -36,6 +39,32 @@ trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout="data_parall
                                                verbose=0))
 
 
+def _listening_ports():
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(name):
+            for line in open(name).read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
+def report_info(step):
+    info_dir = os.environ.get("MC_INFO_DIR")
+    path = info_dir and os.path.join(info_dir, f"client-{client}.json")
+    if path and not os.path.exists(path):
+        interfaces = [line.split(":")[0].strip() for line in
+                      open("/proc/net/dev").read().splitlines()[2:]]
+        info = {"pid": os.getpid(), "interfaces": interfaces, "listening": _listening_ports(),
+                "jobs": os.environ["DTENSOR_JOBS"], "step": step}
+        with open(path + ".tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(path + ".tmp", path)
+    if os.environ.get("MC_SLOW"):
+        time.sleep(float(os.environ["MC_SLOW"]))
+
+
 def maybe_die(step):
     kill_at, marker = os.environ.get("MC_KILL_AT"), os.environ.get("MC_MARKER")
     if client == 1 and kill_at and step >= int(kill_at) and not (marker and os.path.exists(marker)):
@@ -47,7 +76,8 @@ def maybe_die(step):
         time.sleep(0.05)  # slow down so the kill lands mid-training
 
 
-history = trainer.fit(train, epochs=3, on_step_end=[maybe_die])
+history = trainer.fit(train, epochs=int(os.environ.get("MC_EPOCHS", "3")),
+                      on_step_end=[maybe_die, report_info])
 if client == 0 and os.environ.get("MC_OUT"):
     with open(os.environ["MC_OUT"], "w") as f:
         json.dump(history.history, f)

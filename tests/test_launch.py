@@ -1,7 +1,9 @@
 """python -m dtk.launch: 2 clients x 4 CPUs reproduce 1 x 8, faults fail fast, restarts resume."""
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -103,6 +105,91 @@ def test_port_in_use_fails_within_the_deadline():
     for c, (_, err) in zip(clients, results):
         assert c.returncode != 0
     assert "could not join the cluster" in results[0][1]
+
+
+def _wait_for(paths, proc, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "clients did not report"
+        time.sleep(0.2)
+    return [json.loads(open(p).read()) for p in paths]
+
+
+def _host_listening_ports():
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(name).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _start(tmp_path, *launch_args, **env):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+         *launch_args, "--", sys.executable, CLIENT], cwd=procs.REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=procs.base_env(MC_INFO_DIR=str(tmp_path), MC_SLOW="0.2", MC_EPOCHS="50",
+                           TMPDIR=str(tmpdir), **env))
+    return proc, tmpdir
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net")
+def test_local_group_is_unreachable_and_sigterm_stops_everything(tmp_path):
+    """The clients' servers listen only in a private network namespace (no interface but lo), so
+    nothing outside the machine reaches them; SIGTERM to the launcher stops every client."""
+    proc, tmpdir = _start(tmp_path)
+    try:
+        infos = _wait_for([tmp_path / f"client-{i}.json" for i in range(2)], proc)
+        ports = [int(j.rsplit(":", 1)[1]) for j in infos[0]["jobs"].split(",")]
+        if infos[0]["interfaces"] != ["lo"]:
+            pytest.fail(f"clients see interfaces {infos[0]['interfaces']}: not isolated")
+        for info in infos:
+            assert set(ports) <= set(info["listening"])  # the servers do listen, inside
+        assert not set(ports) & _host_listening_ports()  # ... and not on the host's network
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "received SIGTERM; stopping 2 running client(s)" in err
+    assert took < 10
+    assert not any(_alive(info["pid"]) for info in infos)
+    assert not list(tmpdir.glob("dtk-launch-*"))
+
+
+def test_frozen_client_is_named(tmp_path):
+    proc, _ = _start(tmp_path, "--heartbeat_timeout", "5")
+    try:
+        infos = _wait_for([tmp_path / f"client-{i}.json" for i in range(2)], proc)
+        os.kill(infos[1]["pid"], signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if _alive(infos[1]["pid"]):
+            os.kill(infos[1]["pid"], signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "dtk.launch: client 1 is stopped (frozen): client 0 lost contact with it" in err, \
+        err[-3000:]
+    assert took < 60
 
 
 def test_bad_launch_arguments():
