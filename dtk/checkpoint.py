@@ -186,7 +186,7 @@ class Checkpointer:
             path = self._checkpoint.write(target)
             context.async_wait()
         except (OSError, tf.errors.OpError) as e:
-            context.async_clear_error()
+            _clear_async_error()
             for partial in glob.glob(glob.escape(target) + "*"):
                 if os.path.isdir(partial):
                     shutil.rmtree(partial, ignore_errors=True)
@@ -262,7 +262,7 @@ class Checkpointer:
             status.assert_existing_objects_matched()
             status.assert_consumed()
         except (AssertionError, ValueError, tf.errors.OpError) as e:
-            context.async_clear_error()  # a failed async DTensor op would poison later ops
+            _clear_async_error()  # a failed async DTensor op would poison later ops
             raise ValueError(
                 f"checkpoint {path} does not match this model and optimizer: {_first_line(e)}. "
                 "It was written by another model (or another optimizer); use a new checkpoint "
@@ -291,6 +291,15 @@ class Checkpointer:
                 "another model; use a new checkpoint directory or the model that wrote it")
 
 
+def _clear_async_error() -> None:
+    """Waits for pending DTensor ops and clears their error state, so later ops run again."""
+    try:
+        context.async_wait()
+    except Exception:  # pylint: disable=broad-except  (the error being cleared)
+        pass
+    context.async_clear_error()
+
+
 def _unreadable(path: str) -> str | None:
     """Why checkpoint ``path`` cannot be read, or None when every tensor in it reads back intact.
 
@@ -310,8 +319,16 @@ def _unreadable(path: str) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
-    text = [t for t in (getattr(e, "message", None) or str(e)).strip().splitlines() if t.strip()]
-    return text[0][:500] if text else type(e).__name__
+    text = [t.strip() for t in (getattr(e, "message", None) or str(e)).strip().splitlines()
+            if t.strip()]
+    if not text:
+        return type(e).__name__
+    line = text[0]
+    if re.match(r"\d+ root error\(s\) found", line):  # TensorFlow's wrapper: show the first cause
+        causes = [t for t in text if t.startswith("(0)")]
+        line = causes[0][3:].strip() if causes else line
+        line = re.sub(r"\{\{[^}]*\}\}\s*", "", line)
+    return line[:500]
 
 
 def global_value(tensor: Any) -> np.ndarray:

@@ -36,7 +36,6 @@ from tensorflow.experimental import dtensor
 
 from dtk import _env
 from dtk import keras_check
-from dtk.mesh import BATCH_AXIS, batch_layout, check_batch_axis
 
 try:
     import tomllib
@@ -354,17 +353,6 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
     return model
 
 
-def _example_input(mesh: dtensor.Mesh | None, input_shape, dtype, *, batch_axis=BATCH_AXIS):
-    """A zero batch to build a subclassed model: laid out batch-sharded when ``mesh`` is given."""
-    shape = [int(d) for d in input_shape]
-    if mesh is None:
-        return tf.zeros([1, *shape], dtype)
-    n = check_batch_axis(mesh, batch_axis)
-    return dtensor.call_with_layout(tf.zeros, batch_layout(mesh, 1 + len(shape),
-                                                           batch_axis=batch_axis),
-                                    shape=[n, *shape], dtype=dtype)
-
-
 def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_keras.Model:
     """``model_factory()`` outside any layout scope, built (a subclassed model by one call)."""
     model = _check_factory_result(model_factory())
@@ -375,7 +363,7 @@ def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_ker
                 "creates its weights on its first call); pass input_shape= (one example's shape "
                 "without the batch dim, e.g. input_shape=(28, 28, 1)) to dtk.build_model / "
                 "dtk.Trainer, or give the first layer an input_shape")
-        model(_example_input(None, input_shape, dtype))
+        model(tf.zeros([1, *(int(d) for d in input_shape)], dtype))
     return model
 
 
@@ -394,8 +382,7 @@ class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
 def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 table: LayoutTable | str, *, seed: int, strict: bool = False,
                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
-                input_dtype: str = "float32", batch_axis: str = BATCH_AXIS
-                ) -> tuple[tf_keras.Model, LayoutPlan]:
+                input_dtype: str = "float32") -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
 
     Seeds with ``tf_keras.utils.set_random_seed(seed)``, builds the model once plainly (its weight
@@ -410,9 +397,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     TensorFlow's stateful generator (``enable_tf_random_generator``), which DTensor supports.
 
     Subclassed models (weights created on the first call) need ``input_shape``: dtk builds the
-    plain copy with a call on zeros ``[1, *input_shape]`` and the laid-out model with an eager
-    call, inside the layout scope, on a batch-sharded DTensor of zeros (DTensor's own route;
-    ``model.build(shape)`` does not work under a layout scope).
+    plain copy with a call on zeros ``[1, *input_shape]`` and the laid-out model with a symbolic
+    call under the layout map (see ``_build_subclassed``; ``model.build(shape)`` and tf_keras'
+    first-call route do not work under a layout scope).
 
     The plan's warnings (rules that matched nothing, weights that fell to the default) are
     logged on the ``dtk`` logger.
@@ -440,7 +427,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     with layout_map.scope():
         model = model_factory()
         if not model.built:
-            model(_example_input(mesh, input_shape, input_dtype, batch_axis=batch_axis))
+            _build_subclassed(model, layout_map, input_shape, input_dtype)
     _lay_out_autocast_variables(model, layout_map)
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
@@ -454,6 +441,26 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, input_shape,
+                      dtype) -> None:
+    """Creates a subclassed model's weights under the layout map, as DTensor variables.
+
+    tf_keras' own route (the first ``__call__`` under a layout scope) builds the model on
+    ``Input(x.shape)``, which takes the batch dim of ``x`` as a feature dim (a ``[4, 28, 28, 1]``
+    batch gives a ``[None, 4, 28, 28, 1]`` input). dtk does the same steps with the right
+    symbolic input: call on ``Input(input_shape)`` with lazy variables, then replace them by
+    DTensor variables laid out as planned.
+    """
+    from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    saved, model._layout_map = model._layout_map, None  # pylint: disable=protected-access
+    try:
+        with keras_layout_map.layout_map_scope(layout_map):
+            model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
+        keras_layout_map._map_subclass_model_variable(model, layout_map)  # pylint: disable=protected-access
+    finally:
+        model._layout_map = saved  # pylint: disable=protected-access
 
 
 def _assign_global(variable: tf.Variable, value) -> None:

@@ -198,7 +198,7 @@ class Trainer:
                 layout, layouts_lib.LayoutTable) else layout
             self.model, self.layout_plan = layouts_lib.build_model(
                 model, mesh, table, seed=config.seed, input_shape=input_shape,
-                allow_replicated=allow_replicated, batch_axis=config.batch_axis)
+                allow_replicated=allow_replicated)
             self.model_factory = model
         else:
             raise TypeError(f"model must be a tf_keras.Model or a factory returning one; got "

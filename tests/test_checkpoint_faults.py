@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dtk import checkpoint as ckpt_lib
+from tests import procs
 from tests.test_trainer import _data, _trainer
 
 EPOCHS = 3
@@ -136,12 +137,30 @@ def test_full_disk_fails_before_training(tmp_path):
 
 
 def test_disk_full_during_save_removes_partial_files(tmp_path):
-    """A disk that fills up after start-up: the failed save cleans up and names the cause."""
+    """A disk that fills up after start-up: the failed save cleans up and names the cause.
+
+    Runs in its own process: after a failed DTensor save, DTensor's function runtime in that
+    process stays cancelled (``async_clear_error`` does not reset it), so the run must stop.
+    """
     with _tmpfs(tmp_path / "small", "size=600k") as small:
-        trainer = _trainer(checkpoint_dir=str(small))  # the start-up check passes
-        with open(small / "filler", "wb") as f:
-            with contextlib.suppress(OSError):
-                f.write(b"\0" * 10_000_000)
-        with pytest.raises(ckpt_lib.CheckpointError, match="saving checkpoint .*ckpt-6 failed"):
-            trainer.fit(_data(trainer.mesh), epochs=1)
-        assert not glob.glob(str(small / "ckpt-6*")), os.listdir(small)
+        code = f"""
+import contextlib, glob, os
+import tests.conftest
+from tests import procs
+from tests.test_trainer import _data, _trainer
+from dtk import checkpoint as ckpt_lib
+trainer = _trainer(checkpoint_dir={str(small)!r})  # the start-up check passes
+with open({str(small / "filler")!r}, "wb") as f:
+    with contextlib.suppress(OSError):
+        f.write(b"\\0" * 10_000_000)
+try:
+    trainer.fit(_data(trainer.mesh), epochs=1)
+except ckpt_lib.CheckpointError as e:
+    print("ERROR", e)
+print("LEFT", sorted(glob.glob({str(small)!r} + "/ckpt-6*")))
+"""
+        res = procs.run_python(code, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ERROR saving checkpoint" in res.stdout and "ckpt-6 failed" in res.stdout, res.stdout
+    assert "No space left on device" in res.stdout or "RESOURCE_EXHAUSTED" in res.stdout
+    assert "LEFT []" in res.stdout
