@@ -120,13 +120,14 @@ def client_envs(config: LaunchConfig, ports: Sequence[int], ready_dir: str,
         for i in range(config.num_clients)]
 
 
-def _pump(stream, prefix: str, out, suspects: set[int]) -> None:
+def _pump(stream, prefix: str, out, suspects: set[int], client: int) -> None:
+    """Copies a client's output, noting the other clients its errors say it lost contact with."""
     for line in iter(stream.readline, ""):
         out.write(f"{prefix}{line}")
         out.flush()
         lower = line.lower()
         if any(w in lower for w in _PEER_ERROR_WORDS):
-            suspects.update(int(t) for t in _TASK_IN_ERROR.findall(line))
+            suspects.update(int(t) for t in _TASK_IN_ERROR.findall(line) if int(t) != client)
     stream.close()
 
 
@@ -139,12 +140,19 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def _culprit(procs: list[subprocess.Popen], failed: int, suspects: set[int]) -> int | None:
-    """The client to blame when ``failed`` exited because of another client, if one is known."""
+def _culprit(procs: list[subprocess.Popen], failed: int, code: int,
+             suspects: list[set[int]]) -> int | None:
+    """The client to blame when ``failed`` exited because of another client, if one is known.
+
+    A client killed by a signal is its own culprit. Otherwise: a client that is stopped (it
+    cannot answer heartbeats), else one that ``failed``'s own errors name as unreachable.
+    """
+    if code < 0:
+        return None
     stopped = [i for i, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)]
     if stopped:
         return stopped[0]
-    others = sorted(s for s in suspects if s != failed and 0 <= s < len(procs))
+    others = sorted(s for s in suspects[failed] if 0 <= s < len(procs))
     return others[0] if others else None
 
 
@@ -185,7 +193,8 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
     """Runs one group of clients until all succeed or one fails; returns the exit code."""
     out = out or sys.stdout
     ready_dir = tempfile.mkdtemp(prefix="dtk-launch-")
-    procs, pumps, suspects = [], [], set()
+    procs, pumps = [], []
+    suspects: list[set[int]] = [set() for _ in range(config.num_clients)]
     code, message = 0, None
     try:
         envs = client_envs(config, free_ports(config.num_clients), ready_dir)
@@ -193,8 +202,8 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
             p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[client {i}] ", out, suspects),
-                                 daemon=True)
+            t = threading.Thread(target=_pump, daemon=True,
+                                 args=(p.stdout, f"[client {i}] ", out, suspects[i], i))
             t.start()
             pumps.append(t)
         start = time.monotonic()
@@ -211,7 +220,7 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
                     i, c = failed[0]
                     code = _exit_code(c)
                     time.sleep(0.3)  # let the pumps read the client's last lines
-                    culprit = _culprit(procs, i, suspects)
+                    culprit = _culprit(procs, i, c, suspects)
                     if culprit is not None:
                         state = ("is stopped (frozen)" if _is_stopped(procs[culprit].pid)
                                  else "stopped answering")

@@ -100,6 +100,9 @@ def read_mnist_idx(split: str, data_dir: str) -> tuple[np.ndarray, np.ndarray]:
     if images.ndim != 3 or labels.ndim != 1:
         raise ValueError(f"{images_path} has shape {images.shape} and {labels_path} {labels.shape}; "
                          "expected images [n, rows, cols] and labels [n]")
+    if images.shape[1:] != (28, 28):
+        raise ValueError(f"{images_path} holds images of {images.shape[1]}x{images.shape[2]} "
+                         "pixels; MNIST images are 28x28. Point data_dir at the MNIST IDX files")
     if len(images) != len(labels):
         raise ValueError(f"{images_path} holds {len(images)} images but {labels_path} holds "
                          f"{len(labels)} labels; the files do not belong together")
@@ -111,6 +114,7 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
 
 
+@tf.autograph.experimental.do_not_convert  # plain ops; also avoids AutoGraph's conversion cache
 def _to_example(image, label):
     image = tf.cast(image, tf.float32) / 255.0
     return tf.reshape(image, [28, 28, 1]), tf.cast(label, tf.int64)

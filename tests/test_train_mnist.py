@@ -90,8 +90,8 @@ def test_export_matches_run(batch8):
     export_dir = summary["export"]["keras"]
     code = f"""
 import numpy as np, tf_keras
-from dtk import input as input_lib
-data = input_lib.load_mnist("test", source="idx", data_dir={DATA!r}).batch(1000)
+from dtk import mnist
+data = mnist.load_mnist("test", source="idx", data_dir={DATA!r}).batch(1000)
 model = tf_keras.models.load_model({export_dir!r})
 model.compile(metrics=["sparse_categorical_accuracy"],
               loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))

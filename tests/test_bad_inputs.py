@@ -1,0 +1,376 @@
+"""Bad inputs, as a new user makes them: each gets one clear error that names the argument, its value
+and the fix; none trains silently wrong, hangs, or shows a traceback on the command line.
+
+Three tables: command-line flags checked in-process through train_mnist's flag checker (no
+training), command-line cases that need TensorFlow in subprocesses (with timeouts), and library
+calls.
+"""
+
+import gzip
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from absl import flags
+
+import dtk
+from dtk import checkpoint as ckpt_lib
+from dtk import cluster, layouts, mnist, trainer as trainer_lib
+from dtk import input as input_lib
+from dtk.launch import LaunchConfig
+from tests import procs
+
+SCRIPT = procs.REPO / "scripts" / "train_mnist.py"
+_spec = importlib.util.spec_from_file_location("train_mnist_cli", SCRIPT)
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
+
+
+@pytest.fixture(name="paths", scope="module")
+def _paths(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "file").write_text("x")
+    (tmp / "dir").mkdir()
+    (tmp / "broken.toml").write_text("rules = [ [")
+    (tmp / "extra.toml").write_text('axes = ["batch"]\ncolour = "red"\n')
+    return tmp
+
+
+def _check_cli(argv, paths):
+    argv = [a.replace("{tmp}", str(paths)) for a in argv]
+    cli.FLAGS.unparse_flags()
+    cli.FLAGS(["train_mnist.py", *argv])
+    try:
+        cli._check_flags(dtk)
+    finally:
+        cli.FLAGS.unparse_flags()
+
+
+CLI_CASES = [  # (flags, phrase the one-line error must contain)
+    (["--mesh", "batch8"], "--mesh: mesh spec 'batch8': item 'batch8' is not of the form axis=size"),
+    (["--mesh", "batch=0"], "axis 'batch' has size 0; sizes must be positive"),
+    (["--mesh", "batch=8,batch=2"], "axis 'batch' appears twice"),
+    (["--mesh", ""], "mesh spec '' is empty; give at least one axis, e.g. 'batch=8'"),
+    (["--mesh", "batch=x"], "size of axis 'batch' is 'x', not an integer"),
+    (["--mesh", "b-1=8"], "axis name 'b-1' is not a valid name"),
+    (["--mesh", "model=8"], "--mesh model=8 has no 'batch' axis"),
+    (["--mesh", "batch=256"], "needs 256 virtual CPUs on a machine with"),
+    (["--epochs", "0"], "--epochs must be a positive integer; got 0"),
+    (["--global_batch_size", "0"], "--global_batch_size must be a positive integer; got 0"),
+    (["--global_batch_size", "100"], "--global_batch_size 100 is not divisible by mesh axis "
+                                     "'batch' (size 8); use a multiple of 8"),
+    (["--mesh", "batch=4,model=2", "--global_batch_size", "30"], "not divisible by mesh axis "
+                                                                   "'batch' (size 4)"),
+    (["--steps_per_execution", "0"], "--steps_per_execution must be a positive integer; got 0"),
+    (["--max_steps", "0"], "--max_steps must be a positive integer; got 0"),
+    (["--virtual_devices", "0"], "--virtual_devices must be a positive integer; got 0"),
+    (["--learning_rate", "-1"], "--learning_rate must be a positive, finite number; got -1.0"),
+    (["--learning_rate", "inf"], "--learning_rate must be a positive, finite number; got inf"),
+    (["--learning_rate", "nan"], "--learning_rate must be a positive, finite number; got nan"),
+    (["--optimizer", "adamm"], "--optimizer 'adamm' is unknown; choose one of"),
+    (["--optimizer", "nadam"], "--optimizer 'nadam' is unknown"),
+    (["--layout", "no_such_table"], "--layout: layout table 'no_such_table' is unknown; tables:"),
+    (["--layout", "/no/such.toml"], "layout table file /no/such.toml does not exist"),
+    (["--layout", "{tmp}/dir"], "is a directory; pass a .toml file"),
+    (["--layout", "{tmp}/broken.toml"], "broken.toml cannot be read"),
+    (["--layout", "{tmp}/extra.toml"], "unknown keys ['colour']"),
+    (["--dataset", "idx"], "--dataset idx needs --data_dir DIR"),
+    (["--dataset", "idx", "--data_dir", "/no/such/dir"], "--data_dir '/no/such/dir' is not a "
+                                                         "directory"),
+    (["--data_dir", "/no/such/dir"], "--data_dir '/no/such/dir' is not a directory"),
+    (["--dataset", "sample", "--data_dir", "{tmp}/dir"], "--dataset sample reads the sample "
+                                                         "bundled with dtk; drop --data_dir"),
+    (["--checkpoint_dir", "{tmp}/file"], "--checkpoint_dir '"),
+    (["--export_dir", "{tmp}/file"], "is a file; give a directory"),
+    (["--tensorboard_dir", "{tmp}/file"], "--tensorboard_dir"),
+    (["--summary_json", "{tmp}/dir"], "--summary_json '"),
+    (["--summary_json", "{tmp}/new/"], "is a directory; give a file path"),
+    (["--summary_json", "{tmp}/file/summary.json"], "is a file; give a directory"),
+    (["--checkpoint_dir", "{tmp}/file/sub"], "is not writable"),
+]
+
+
+@pytest.mark.parametrize("argv, phrase", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
+def test_cli_flag_errors(argv, phrase, paths):
+    with pytest.raises(cli._Fail) as info:
+        _check_cli(argv, paths)
+    message = str(info.value)
+    assert phrase.replace("{tmp}", str(paths)) in message, message
+    assert "\n" not in message  # one line
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--model", "resnet"], "value should be one of <mlp|cnn>"),
+    (["--device", "fpga"], "value should be one of <auto|cpu|gpu|tpu>"),
+    (["--epochs", "three"], "Could not parse"),
+    (["--dataset", "web"], "value should be one of <tfds|idx|sample>"),
+])
+def test_cli_flag_parse_errors(argv, phrase):
+    """absl rejects these while parsing (one line, exit status 1, no traceback)."""
+    cli.FLAGS.unparse_flags()
+    with pytest.raises(flags.Error, match=phrase):
+        cli.FLAGS(["train_mnist.py", *argv])
+    cli.FLAGS.unparse_flags()
+
+
+def _write_idx(path, array, type_code=0x08):
+    header = bytes([0, 0, type_code, array.ndim]) + b"".join(
+        int(d).to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(name="bad_idx", scope="module")
+def _bad_idx(tmp_path_factory):
+    """IDX files of 14x14 images (not MNIST) and one with a bad magic number."""
+    small = tmp_path_factory.mktemp("small_idx")
+    for prefix in ("train", "t10k"):
+        _write_idx(small / f"{prefix}-images-idx3-ubyte.gz", np.zeros((10, 14, 14)))
+        _write_idx(small / f"{prefix}-labels-idx1-ubyte.gz", np.zeros(10))
+    magic = tmp_path_factory.mktemp("magic_idx")
+    for prefix in ("train", "t10k"):
+        (magic / f"{prefix}-images-idx3-ubyte").write_bytes(b"\x12\x34\x56\x78" + bytes(20))
+        _write_idx(magic / f"{prefix}-labels-idx1-ubyte.gz", np.zeros(10))
+    return small, magic
+
+
+SUBPROCESS_CASES = [  # flags, phrase; each run needs TensorFlow
+    (["--device", "tpu"], "--device tpu: this machine has no TPU"),
+    (["--mesh", "batch=16", "--virtual_devices", "8"], "needs 16 devices (16 in this process), "
+                                                         "but only 8 CPU device(s) exist"),
+    (["--mesh", "batch=4,model=2", "--layout", "transformer_block"],
+     "layout table 'transformer_block' shards weights on mesh axes ['model'], but on this model "
+     "it shards none"),
+    (["--dataset", "idx", "--data_dir", "{small}"], "holds images of 14x14 pixels; MNIST images "
+                                                    "are 28x28"),
+    (["--dataset", "idx", "--data_dir", "{magic}"], "bad magic number"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, phrase", SUBPROCESS_CASES,
+                         ids=[" ".join(c[0][:2]) for c in SUBPROCESS_CASES])
+def test_cli_errors_in_one_line(argv, phrase, bad_idx):
+    small, magic = bad_idx
+    argv = [a.format(small=small, magic=magic) for a in argv]
+    res = subprocess.run([sys.executable, str(SCRIPT), "--epochs", "1", *argv], cwd=procs.REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env=procs.base_env(DTK_OFFLINE="1"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and phrase in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_cli_checkpoint_of_another_model_is_one_line(tmp_path):
+    common = ["--dataset", "sample", "--epochs", "1", "--max_steps", "2",
+              "--checkpoint_dir", str(tmp_path)]
+    first = subprocess.run([sys.executable, str(SCRIPT), *common], cwd=procs.REPO, timeout=180,
+                           capture_output=True, text=True, env=procs.base_env())
+    assert first.returncode == 0, first.stderr[-2000:]
+    res = subprocess.run([sys.executable, str(SCRIPT), *common, "--model", "cnn"], timeout=180,
+                         cwd=procs.REPO, capture_output=True, text=True, env=procs.base_env())
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "error: checkpoint" in res.stderr and "does not match this model" in res.stderr
+
+
+# -- the library ----------------------------------------------------------------------------------
+def _mesh():
+    return dtk.build_mesh("batch=8")
+
+
+def _ds(n=64, classes=10, x_shape=(28, 28, 1)):
+    rng = np.random.default_rng(0)
+    return tf.data.Dataset.from_tensor_slices((rng.random((n, *x_shape), dtype=np.float32),
+                                               rng.integers(0, classes, n).astype(np.int64)))
+
+
+def _data(n=64, gbs=32, **kw):
+    return input_lib.DistributedDataset(_ds(n, **kw), _mesh(), input_lib.InputConfig(
+        global_batch_size=gbs))
+
+
+def _trainer(**kw):
+    kw.setdefault("config", dtk.TrainerConfig(verbose=0))
+    return dtk.Trainer(mesh=_mesh(), model=kw.pop("model", dtk.models.mnist_mlp), **kw)
+
+
+def _plain_model():
+    return dtk.models.mnist_mlp()
+
+
+def _scalar_loss(y, p):
+    return tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True))
+
+
+API_CASES = [  # (id, call, exception, phrase)
+    ("model is an array", lambda: _trainer(model=np.zeros(3)), TypeError,
+     "model must be a tf_keras.Model or a factory returning one; got ndarray"),
+    ("factory returns None", lambda: _trainer(model=lambda: None), TypeError,
+     "model_factory must return a tf_keras.Model; it returned NoneType"),
+    ("plain built model", lambda: _trainer(model=_plain_model()), ValueError,
+     "is a plain (not laid-out) tf_keras model"),
+    ("config is a dict", lambda: _trainer(config={}), TypeError, "config must be a dtk.TrainerConfig"),
+    ("trainer batch axis", lambda: _trainer(config=dtk.TrainerConfig(batch_axis="data", verbose=0)),
+     ValueError, "TrainerConfig.batch_axis 'data' is not an axis of mesh batch=8"),
+    ("fit on numpy", lambda: _trainer().fit((np.zeros((8, 28, 28, 1)), np.zeros(8)), epochs=1),
+     TypeError, "data must be a dtk.DistributedDataset"),
+    ("fit on tf.data", lambda: _trainer().fit(_ds(), epochs=1), TypeError,
+     "Wrap a tf.data.Dataset of unbatched (features, labels) with dtk.DistributedDataset"),
+    ("fit epochs 0", lambda: _trainer().fit(_data(), epochs=0), ValueError,
+     "epochs must be a positive integer; got 0"),
+    ("labels out of range", lambda: _trainer().fit(_data(classes=12), epochs=1), ValueError,
+     "outside [0, 10)"),
+    ("no batches", lambda: _trainer().fit(_data(n=5, gbs=8), epochs=1), ValueError,
+     "data has no batches: 5 example(s) with global_batch_size=8"),
+    ("scalar loss", lambda: _trainer(loss=_scalar_loss).fit(_data(), epochs=1), ValueError,
+     "returned a scalar; dtk needs per-example losses"),
+    ("load_table(123)", lambda: layouts.load_table(123), TypeError,
+     "layout table must be a name"),
+    ("load_table(dir)", lambda: layouts.load_table(procs.REPO / "layouts"), ValueError,
+     "is a directory; pass a .toml file"),
+    ("load_table unknown", lambda: layouts.load_table("nope"), ValueError,
+     "layout table 'nope' is unknown"),
+    ("negative learning rate", lambda: dtk.make_optimizer("adam", _mesh(), learning_rate=-1e-3),
+     ValueError, "learning_rate must be a positive, finite number; got -0.001"),
+    ("zero learning rate", lambda: dtk.make_optimizer("sgd", _mesh(), learning_rate=0.0),
+     ValueError, "learning_rate must be a positive, finite number; got 0.0"),
+    ("nan learning rate", lambda: dtk.make_optimizer("sgd", _mesh(), learning_rate=float("nan")),
+     ValueError, "got nan"),
+    ("nadam", lambda: dtk.make_optimizer("nadam", _mesh()), ValueError,
+     "optimizer 'nadam' is not supported under DTensor"),
+    ("optimizer without mesh", lambda: dtk.make_optimizer(tf_keras.optimizers.Adam(), _mesh()),
+     ValueError, "is not bound to the mesh"),
+    ("legacy optimizer", lambda: dtk.make_optimizer(tf_keras.optimizers.legacy.Adam(), _mesh()),
+     ValueError, "is a legacy tf_keras optimizer"),
+    ("optimizer is a number", lambda: dtk.make_optimizer(3, _mesh()), TypeError,
+     "optimizer must be a name or a tf_keras.optimizers.Optimizer; got int"),
+    ("repeated metrics", lambda: dtk.make_metrics(["accuracy", "accuracy"], _mesh()), ValueError,
+     "metric names ['accuracy'] are repeated"),
+    ("metric without mesh", lambda: dtk.make_metrics(
+        [tf_keras.metrics.SparseCategoricalAccuracy()], _mesh()), ValueError,
+     "is not bound to the mesh"),
+    ("unknown loss", lambda: dtk.make_loss("hinge_loss"), ValueError, "loss 'hinge_loss' is unknown"),
+    ("loss is a number", lambda: dtk.make_loss(42), TypeError, "loss must be a name"),
+    ("global batch 0", lambda: input_lib.InputConfig(global_batch_size=0), ValueError,
+     "global_batch_size must be a positive integer; got 0"),
+    ("remainder keep", lambda: input_lib.InputConfig(global_batch_size=8, remainder="keep"),
+     ValueError, "remainder 'keep' is not one of drop, pad, error"),
+    ("prefetch -1", lambda: input_lib.InputConfig(global_batch_size=8, prefetch=-1), ValueError,
+     "prefetch must be >= 0"),
+    ("dataset is numpy", lambda: input_lib.DistributedDataset(
+        (np.zeros((8, 2)), np.zeros(8)), _mesh(), input_lib.InputConfig(global_batch_size=8)),
+     TypeError, "Wrap arrays with tf.data.Dataset.from_tensor_slices((x, y))"),
+    ("dataset is batched", lambda: input_lib.DistributedDataset(
+        _ds().batch(16), _mesh(), input_lib.InputConfig(global_batch_size=16)), ValueError,
+     "dataset looks batched"),
+    ("dataset repeats forever", lambda: input_lib.DistributedDataset(
+        _ds().repeat(), _mesh(), input_lib.InputConfig(global_batch_size=16)), ValueError,
+     "dataset is infinite"),
+    ("input batch axis", lambda: input_lib.DistributedDataset(
+        _ds(), _mesh(), input_lib.InputConfig(global_batch_size=16, batch_axis="data")),
+     ValueError, "InputConfig.batch_axis 'data' is not an axis of mesh batch=8"),
+    ("global batch not divisible", lambda: input_lib.DistributedDataset(
+        _ds(), _mesh(), input_lib.InputConfig(global_batch_size=12)), ValueError,
+     "global_batch_size (12) is not divisible by mesh axis 'batch' (size 8)"),
+    ("elements not pairs", lambda: input_lib.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices(np.zeros((8, 2))), _mesh(),
+        input_lib.InputConfig(global_batch_size=8)), ValueError, "(features, labels) pairs"),
+    ("steps_per_execution 0", lambda: dtk.StepConfig(steps_per_execution=0), ValueError,
+     "steps_per_execution must be a positive integer"),
+    ("max_steps 0", lambda: dtk.TrainerConfig(max_steps=0), ValueError,
+     "max_steps must be a positive integer or None; got 0"),
+    ("verbose 3", lambda: dtk.TrainerConfig(verbose=3), ValueError, "verbose must be 0, 1 or 2"),
+    ("mesh too large", lambda: dtk.build_mesh("batch=16"), ValueError,
+     "needs 16 devices (16 in this process), but only 8 CPU device(s) exist"),
+    ("mesh spec None", lambda: dtk.parse_mesh_spec(None), TypeError,
+     "mesh spec must be a string like 'batch=4,model=2'"),
+    ("device type", lambda: dtk.build_mesh("batch=8", device_type="fpga"), ValueError,
+     "device_type 'fpga' is not one of auto, cpu, gpu, tpu"),
+    ("bad job address", lambda: cluster.client_env(jobs=["nohostport"], client=0), ValueError,
+     "job address 'nohostport' is not host:port"),
+    ("client id outside jobs", lambda: cluster.client_env(jobs=["a:1", "b:2"], client=2),
+     ValueError, "client id 2 is outside the 2 jobs"),
+    ("launch 0 clients", lambda: LaunchConfig(num_clients=0), ValueError,
+     "num_clients must be at least 1; got 0"),
+    ("checkpoint dir empty", lambda: ckpt_lib.Checkpointer("", model=None, optimizer=None),
+     ValueError, "checkpoint directory is empty"),
+    ("mnist split", lambda: mnist.load_mnist("validation", source="sample"), ValueError,
+     "split 'validation' is not one of train, test"),
+    ("mnist source", lambda: mnist.load_mnist("test", source="web"), ValueError,
+     "source 'web' is not one of tfds, idx, sample"),
+]
+
+
+@pytest.mark.parametrize("call, error, phrase", [c[1:] for c in API_CASES],
+                         ids=[c[0] for c in API_CASES])
+def test_library_errors(call, error, phrase):
+    with pytest.raises(error) as info:
+        call()
+    assert phrase in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("variable, value, phrase", [
+    ("DTK_VIRTUAL_DEVICES", "four", "DTK_VIRTUAL_DEVICES='four' is not an integer"),
+    ("DTK_VIRTUAL_DEVICES", "0", "DTK_VIRTUAL_DEVICES='0' must be >= 1"),
+    ("DTK_REGISTER_TIMEOUT_S", "-5", "DTK_REGISTER_TIMEOUT_S='-5' must be a positive, finite"),
+    ("DTK_OFFLINE", "maybe", "DTK_OFFLINE='maybe' is not a boolean"),
+])
+def test_environment_variables_are_validated(monkeypatch, variable, value, phrase):
+    from dtk import _env  # pylint: disable=import-outside-toplevel
+    monkeypatch.setenv(variable, value)
+    getter = {"DTK_VIRTUAL_DEVICES": lambda: _env.get_int(variable),
+              "DTK_REGISTER_TIMEOUT_S": lambda: _env.get_seconds(variable, 1.0),
+              "DTK_OFFLINE": lambda: _env.get_flag(variable)}[variable]
+    with pytest.raises(ValueError, match=phrase.replace("(", r"\(")):
+        getter()
+
+
+def test_client_id_outside_the_jobs(monkeypatch):
+    monkeypatch.setenv("DTENSOR_JOBS", "a:1,b:2")
+    monkeypatch.setenv("DTENSOR_CLIENT_ID", "5")
+    with pytest.raises(ValueError, match=r"DTENSOR_CLIENT_ID='5' is not a client id of this run: "
+                                         r"DTENSOR_JOBS names 2 client\(s\)"):
+        cluster.client_id()
+
+
+def test_non_finite_loss_stops_training_with_epoch_and_step():
+    trainer = _trainer(optimizer=dtk.make_optimizer("sgd", _mesh(), learning_rate=1e6))
+    with pytest.raises(trainer_lib.NonFiniteLossError, match=r"became (nan|inf) in epoch \d+, by "
+                                                             r"step \d+.*stop_on_nan=False"):
+        trainer.fit(_data(n=256), epochs=20)
+
+
+def test_failed_step_does_not_poison_the_process():
+    """A label out of range inside a step (a function loss, so not checked up front) fails with
+    a clear error; the same trainer then trains on good data (DTensor's error state cleared)."""
+    def loss(y, p):
+        return tf_keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
+
+    trainer = _trainer(loss=loss)
+    with pytest.raises(ValueError, match=r"a step failed in epoch 1, step 1: .*label"):
+        trainer.fit(_data(classes=40), epochs=1)
+    history = trainer.fit(_data(), epochs=1)
+    assert np.isfinite(history.history["loss"][0])
+    assert dtk.Trainer(mesh=_mesh(), model=dtk.models.mnist_mlp,
+                       config=dtk.TrainerConfig(verbose=0)).fit(_data(), epochs=1).epochs == [0]
+
+
+def test_unmatched_rules_are_logged(caplog):
+    table = layouts.load_table("mlp_model_parallel")
+    renamed = lambda: tf_keras.Sequential([  # noqa: E731  (layers not named d1, d2)
+        tf_keras.layers.Flatten(input_shape=(28, 28, 1)), tf_keras.layers.Dense(8),
+        tf_keras.layers.Dense(10)])
+    with caplog.at_level("WARNING", logger="dtk"):
+        with pytest.raises(ValueError, match="shards none"):
+            layouts.build_model(renamed, dtk.build_mesh("batch=4,model=2"), table, seed=0)
+        layouts.build_model(renamed, _mesh(), table, seed=0)  # batch=8: model axis absent
+    assert "match no weight of this model" in caplog.text
+    assert "4 weight(s) matched no rule" in caplog.text
+    assert os.environ.get("DTENSOR_JOBS") is None
