@@ -47,6 +47,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 
 from dtk import cluster
+from dtk.errors import first_line
 
 _log = logging.getLogger("dtk")
 _CKPT_NAME = re.compile(r"ckpt-(\d+)$")
@@ -147,7 +148,7 @@ class Checkpointer:
         except Exception as e:  # pylint: disable=broad-except  (garbage, empty: parse errors)
             _log.warning("checkpoint state file %s cannot be read (%s); looking for checkpoints "
                          "by their files", os.path.join(self.directory, "checkpoint"),
-                         _first_line(e))
+                         first_line(e))
             return None
         if state is None:
             return [] if not os.path.exists(os.path.join(self.directory, "checkpoint")) else None
@@ -193,7 +194,7 @@ class Checkpointer:
                 else:
                     os.remove(partial)
             raise CheckpointError(
-                f"saving checkpoint {target} failed: {_first_line(e)}; its partial files were "
+                f"saving checkpoint {target} failed: {first_line(e)}; its partial files were "
                 f"removed and {self._paths[-1] if self._paths else 'no earlier checkpoint'} stays "
                 "the latest. Free space or fix the directory, then re-run to resume") from e
         if self._mesh is not None and cluster.num_clients() > 1:
@@ -264,7 +265,7 @@ class Checkpointer:
         except (AssertionError, ValueError, tf.errors.OpError) as e:
             _clear_async_error()  # a failed async DTensor op would poison later ops
             raise ValueError(
-                f"checkpoint {path} does not match this model and optimizer: {_first_line(e)}. "
+                f"checkpoint {path} does not match this model and optimizer: {first_line(e)}. "
                 "It was written by another model (or another optimizer); use a new checkpoint "
                 "directory or the model that wrote it") from e
         self.restored = path
@@ -281,7 +282,7 @@ class Checkpointer:
             saved = sorted(tuple(shape) for name, shape in tf.train.list_variables(path)
                            if name.startswith("model/"))
         except (tf.errors.OpError, ValueError) as e:
-            raise ValueError(f"checkpoint {path} cannot be read: {_first_line(e)}") from e
+            raise ValueError(f"checkpoint {path} cannot be read: {first_line(e)}") from e
         model = self._checkpoint.model
         have = sorted(tuple(w.shape) for w in model.weights)
         if saved != have:
@@ -314,21 +315,8 @@ def _unreadable(path: str) -> str | None:
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     except Exception as e:  # pylint: disable=broad-except  (DataLoss, OutOfRange, NotFound, ...)
-        return _first_line(e)
+        return first_line(e)
     return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = [t.strip() for t in (getattr(e, "message", None) or str(e)).strip().splitlines()
-            if t.strip()]
-    if not text:
-        return type(e).__name__
-    line = text[0]
-    if re.match(r"\d+ root error\(s\) found", line):  # TensorFlow's wrapper: show the first cause
-        causes = [t for t in text if t.startswith("(0)")]
-        line = causes[0][3:].strip() if causes else line
-        line = re.sub(r"\{\{[^}]*\}\}\s*", "", line)
-    return line[:500]
 
 
 def global_value(tensor: Any) -> np.ndarray:

@@ -36,6 +36,7 @@ from tensorflow.python.eager import context
 
 from dtk import checkpoint as ckpt_lib
 from dtk import cluster
+from dtk.errors import first_line
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
 from dtk import keras_check
@@ -185,8 +186,7 @@ class Trainer:
             if layout is not None:
                 raise ValueError("layout applies only when model is a factory; a built model already "
                                  "has its layouts. Pass the factory (e.g. dtk.models.mnist_mlp)")
-            if dtensor.fetch_layout(getattr(model.weights[0], "_variable", model.weights[0])
-                                    if model.weights else tf.zeros([])) is None:
+            if not _is_laid_out(model):
                 raise ValueError(
                     f"model {model.name!r} is a plain (not laid-out) tf_keras model: its weights "
                     "are not DTensors on the mesh. Pass the model FACTORY instead (a function "
@@ -327,6 +327,14 @@ class Trainer:
         if self.config.verbose == 1 and cluster.is_lead_client():
             print(f"Epoch {epoch + 1}")
             progbar = tf_keras.utils.Progbar(steps_per_epoch, stateful_metrics=self._metric_names())
+        try:
+            return self._epoch_loop(data, epoch, skip, steps_per_epoch, on_step_end, progbar)
+        except tf.errors.OpError as e:
+            context.async_clear_error()  # else every later DTensor call in the process fails
+            raise ValueError(f"a step failed in epoch {epoch + 1}, step {self.global_step + 1}: "
+                             f"{first_line(e)}") from e
+
+    def _epoch_loop(self, data, epoch, skip, steps_per_epoch, on_step_end, progbar):
         done = skip
         window_steps, window_start = 0, time.perf_counter()
         for batch in data.epoch(epoch, skip_batches=skip):
@@ -336,7 +344,7 @@ class Trainer:
                 if left < n:
                     batch, n = _first_steps(batch, left), left
             start = time.perf_counter()
-            loss = self._call_step(self.steps.train, batch, epoch)
+            loss = self.steps.train(batch)
             if self.timing.first_step_s is None:
                 float(loss)
                 self.timing.first_step_s = time.perf_counter() - start
@@ -359,23 +367,9 @@ class Trainer:
             progbar.update(done, list(logs.items()), finalize=True)
         return logs, self._done() and done < steps_per_epoch
 
-    def _call_step(self, step_fn, batch, epoch: int | None):
-        """Runs a compiled call; a failed step leaves DTensor usable and says where it failed."""
-        try:
-            return step_fn(batch)
-        except tf.errors.OpError as e:
-            context.async_clear_error()  # else every later DTensor call in the process fails
-            where = f"epoch {epoch + 1}, step {self.global_step + 1}" if epoch is not None else \
-                "evaluation"
-            raise ValueError(f"a step failed in {where}: {_first_line(e)}") from e
-
     def _results(self, epoch: int) -> dict[str, float]:
         """Metric values (a device sync); stops training on a non-finite loss if configured."""
-        try:
-            results = self.steps.results()
-        except tf.errors.OpError as e:
-            context.async_clear_error()
-            raise ValueError(f"a step failed in epoch {epoch + 1}: {_first_line(e)}") from e
+        results = self.steps.results()
         if self.config.stop_on_nan and not math.isfinite(results.get("loss", 0.0)):
             raise NonFiniteLossError(
                 f"the training loss became {results['loss']} in epoch {epoch + 1}, by step "
@@ -438,13 +432,13 @@ class Trainer:
         """
         self._check_data(data, stacked=1)
         self.steps.reset_metrics()
-        for batch in data.epoch(0):
-            self._call_step(self.steps.evaluate, batch, None)
         try:
+            for batch in data.epoch(0):
+                self.steps.evaluate(batch)
             results = self.steps.results()
         except tf.errors.OpError as e:
             context.async_clear_error()
-            raise ValueError(f"evaluation failed: {_first_line(e)}") from e
+            raise ValueError(f"evaluation failed: {first_line(e)}") from e
         results["examples"] = int(round(float(self.steps.loss_metric.count.numpy())))
         self.steps.reset_metrics()
         return results
@@ -485,10 +479,15 @@ class Trainer:
             writer.flush()
 
 
-def _first_line(e: BaseException) -> str:
-    message = getattr(e, "message", None) or str(e)
-    lines = [line for line in message.strip().splitlines() if line.strip()]
-    return lines[0][:400] if lines else type(e).__name__
+def _is_laid_out(model: tf_keras.Model) -> bool:
+    """Whether the model's weights are DTensor variables (a plain model's are not)."""
+    if not model.weights:
+        return False
+    variable = getattr(model.weights[0], "_variable", model.weights[0])
+    try:
+        return dtensor.fetch_layout(variable) is not None
+    except (tf.errors.InvalidArgumentError, ValueError):
+        return False
 
 
 def _num_steps(batch, steps_per_execution: int) -> int:
