@@ -172,6 +172,7 @@ def test_prefetch_stops_early_and_reraises(monkeypatch):
 
 
 # -- sources --------------------------------------------------------------------------------------
+@pytest.mark.full_mnist
 def test_idx_mnist_counts_and_values():
     train = mnist.load_mnist("train", source="idx", data_dir=str(DATA))
     test = mnist.load_mnist("test", source="idx", data_dir=str(DATA))

@@ -51,8 +51,7 @@ def test_killed_client_stops_the_group_fast():
                         env=procs.base_env(MC_KILL_AT="3"))
     assert res.returncode == 128 + 9
     assert "client 1 was killed by SIGKILL; stopping the other clients" in res.stderr
-    killed_at = res.stdout.index("client 1 kills itself")
-    assert killed_at >= 0
+    assert "[client 1] client 1 kills itself at step 3" in res.stdout
     assert took < 90   # start-up (~10 s) + training to step 3 + teardown (< 15 s)
 
 
@@ -199,6 +198,7 @@ def test_bad_launch_arguments():
     assert res.returncode == 2 and "no command to launch" in res.stderr
 
 
+@pytest.mark.full_mnist
 def test_train_mnist_two_clients_match_one_process(tmp_path):
     script = str(procs.REPO / "scripts" / "train_mnist.py")
     flags = ["--mesh", "batch=8", "--dataset", "idx", "--data_dir",

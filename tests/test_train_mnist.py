@@ -13,7 +13,7 @@ from tests import procs
 SCRIPT = str(procs.REPO / "scripts" / "train_mnist.py")
 DATA = str(procs.REPO.parent / "shared" / "data" / "mnist")
 TIMEOUT = 240
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full_mnist]
 
 
 def _run(*flags, timeout=TIMEOUT, env=None):
@@ -49,7 +49,8 @@ def test_summary_fields_and_output(batch8):
     assert summary["train_dropped_per_epoch"] == 24_345 % 256
     assert len(summary["train_loss"]) == 1             # 30 steps < 95 steps per epoch
     assert summary["test_accuracy"] > 0.8              # 30 Adam steps on real data
-    assert summary["ms_per_step_median"] > 0 and summary["first_step_s"] > 0
+    assert 0 < summary["ms_per_step_median"] < 1000 * summary["first_step_s"]  # tracing is slow
+    assert 0 < summary["first_step_s"] < summary["wall_s"]
     assert set(summary["versions"]) >= {"dtk", "tensorflow", "tf_keras"}
     assert "mesh batch=8: 8 CPU devices" in out
     assert "Training drops 25 of 24345 examples" in out
