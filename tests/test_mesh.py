@@ -49,8 +49,9 @@ def test_parse_rejects_bad_specs(spec, words):
     with pytest.raises(ValueError, match=words) as err:
         dtk.parse_mesh_spec(spec)
     # Every message quotes the spec it was given.
-    given = spec if isinstance(spec, str) else ",".join(f"{k}={v}" for k, v in spec.items())
-    assert repr(given) in str(err.value), str(err.value)
+    given = repr(spec if isinstance(spec, str) or not spec else
+                 ",".join(f"{k}={v}" for k, v in spec.items()))
+    assert given in str(err.value), str(err.value)
 
 
 def test_parse_rejects_wrong_type():
