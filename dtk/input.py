@@ -16,15 +16,29 @@ items with an explicit remainder policy:
   examples.
 * ``error``: a dataset that does not divide into global batches is an error.
 
-The data is read once into host memory (each client holds it all and packs its own shards); epochs
-are shuffled with a numpy permutation seeded by ``(seed, epoch)``, so the order is the same on every
-client and every mesh shape, and resuming mid-epoch skips batches without reading them. Batches are
-packed by a background thread, ``prefetch`` ahead of the training step.
+The data is streamed, never materialized: the user's ``tf.data`` pipeline (its ``map``, its
+augmentation, which therefore runs anew every epoch) is batched into global batches by ``tf.data``,
+and a background thread packs them ``prefetch`` items ahead of the step. Host memory is bounded by
+the prefetch depth (plus the shuffle buffer), whatever the dataset's size. With ``shuffle=True`` dtk
+adds a ``tf.data`` shuffle seeded by ``(seed, epoch)``, so the order is the same on every client and
+every mesh shape and the same again after a resume. Resuming mid-epoch skips the batches already
+trained (``Dataset.skip``: they are read again but not packed or trained).
+
+Multi-client (parity mode): every client reads the same global stream in the same order and packs
+only its own devices' shards, so N clients x K devices train exactly like one process with N*K
+devices. Each client still reads (and runs the pipeline's ``map`` on) every example; a pipeline
+that decodes expensively can shard by file itself before decoding.
+
+Infinite datasets (``.repeat()``) need ``InputConfig(steps_per_epoch=N)``: epoch ``e`` is batches
+``e*N .. (e+1)*N - 1`` of one continuing stream. A finite dataset of unknown cardinality (a
+``filter``, a generator) is counted once, by one pass, when the ``DistributedDataset`` is made;
+``steps_per_epoch`` (or ``dataset.apply(tf.data.experimental.assert_cardinality(n))``) avoids it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -60,20 +74,25 @@ class InputConfig:
     Attributes:
       global_batch_size: examples per step over the whole mesh (a multiple of the batch axis size).
       remainder: ``drop``, ``pad`` or ``error`` (see the module docstring).
-      shuffle: reshuffle every epoch (deterministic for ``(seed, epoch)``).
+      shuffle: reshuffle every epoch with a ``tf.data`` shuffle seeded by ``(seed, epoch)``.
       seed: shuffle seed.
+      shuffle_buffer: examples in the shuffle buffer (the whole dataset when it is smaller).
       steps_per_call: batches stacked into one item, for ``steps_per_execution``.
       prefetch: packed items prepared ahead by a background thread (0: pack inline).
       batch_axis: the mesh axis that dim 0 is sharded on.
+      steps_per_epoch: batches per epoch; required for an infinite dataset, optional otherwise
+        (at most the batches a finite dataset holds).
     """
 
     global_batch_size: int
     remainder: str = "drop"
     shuffle: bool = False
     seed: int = 0
+    shuffle_buffer: int = 10_000
     steps_per_call: int = 1
     prefetch: int = 2
     batch_axis: str = BATCH_AXIS
+    steps_per_epoch: int | None = None
 
     def __post_init__(self):
         for name in ("global_batch_size", "steps_per_call"):
@@ -85,6 +104,12 @@ class InputConfig:
                              f"{', '.join(REMAINDER_POLICIES)}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0; got {self.prefetch}")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be a positive integer; got {self.shuffle_buffer}")
+        if self.steps_per_epoch is not None and (
+                not isinstance(self.steps_per_epoch, int) or self.steps_per_epoch < 1):
+            raise ValueError(f"steps_per_epoch must be a positive integer or None; got "
+                             f"{self.steps_per_epoch!r}")
 
 
 @runtime_checkable
@@ -183,48 +208,59 @@ def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int):
     return dtensor.pack(components, layout)
 
 
-def _materialize(dataset: tf.data.Dataset) -> tuple[Any, Any]:
-    """Reads an unbatched ``(features, labels)`` dataset into numpy arrays (once)."""
+def _check_dataset(dataset: Any) -> int:
+    """Validates an unbatched dataset of ``(features, labels[, sample_weights])``; returns its rank-0
+    cardinality (``tf.data.INFINITE_CARDINALITY``, ``UNKNOWN_CARDINALITY`` or a count)."""
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(
             f"dataset must be an unbatched tf.data.Dataset of (features, labels); got "
             f"{type(dataset).__name__}. Wrap arrays with "
             "tf.data.Dataset.from_tensor_slices((x, y))")
     spec = dataset.element_spec
-    if not isinstance(spec, tuple) or len(spec) != 2:
-        raise ValueError(f"dataset elements must be (features, labels) pairs; got {spec}")
-    batched = [s for s in tf.nest.flatten(spec) if s.shape.rank and s.shape[0] is None]
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        raise ValueError(f"dataset elements must be (features, labels) or (features, labels, "
+                         f"sample_weights) tuples; got {spec}")
+    leaves = tf.nest.flatten(spec)
+    batched = all(s.shape.rank and s.shape[0] is None for s in leaves)  # labels too: a batch
     if batched or type(dataset).__name__ in ("_BatchDataset", "_PaddedBatchDataset"):
         raise ValueError(
             f"dataset looks batched (element spec {spec}: a leading dim of unknown size); pass "
             "UNBATCHED elements (remove .batch(...), or .unbatch() it) and set "
             "InputConfig(global_batch_size=...): dtk batches over the whole mesh itself")
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        raise ValueError("dataset is infinite (.repeat() without a count); dtk reads a finite "
-                         "dataset per epoch: remove .repeat() (Trainer.fit(epochs=...) repeats)")
-    chunks = list(dataset.batch(8192).as_numpy_iterator())
-    if not chunks:
-        raise ValueError("dataset is empty")
-    return tuple(tf.nest.map_structure(lambda *parts: np.concatenate(parts), *[c[i] for c in chunks])
-                 for i in range(2))
+    unknown = [s for s in tf.nest.flatten(spec) if s.shape.rank is None or None in s.shape]
+    if unknown:
+        raise ValueError(f"dataset elements have dims of unknown size ({spec}); pad variable-length "
+                         "features to a fixed shape in the pipeline (e.g. .map with tf.pad or "
+                         "tf.ensure_shape) so that batches stack")
+    return int(dataset.cardinality())
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    digest = hashlib.sha256(f"dtk-shuffle:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
 
 
 class DistributedDataset:
-    """An unbatched ``(features, labels)`` dataset as packed global batches on a mesh.
+    """An unbatched dataset streamed as packed global batches on a mesh.
 
     Args:
-      dataset: unbatched ``tf.data.Dataset`` of ``(features, labels)`` (finite; read once).
+      dataset: unbatched ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
+        sample_weights)``; features may be a nest (dict, tuple) of tensors. Finite, or infinite
+        with ``config.steps_per_epoch``.
       mesh: the mesh to pack onto.
       config: ``InputConfig``.
 
     Attributes:
-      num_examples: examples per epoch.
+      num_examples: examples per epoch (``steps_per_epoch * global_batch_size`` when that is
+        given).
       num_batches: global batches (steps) per epoch after the remainder policy.
       num_dropped: examples dropped per epoch (``remainder="drop"``), else 0.
 
     Raises:
-      ValueError: bad config, a global batch size not divisible by the batch axis, a dataset that
-        does not divide into batches with ``remainder="error"``, or malformed elements.
+      TypeError: not a ``tf.data.Dataset``.
+      ValueError: bad config, a global batch size not divisible by the batch axis, a batched or
+        infinite dataset without ``steps_per_epoch``, a dataset that does not divide into batches
+        with ``remainder="error"``, or malformed elements.
     """
 
     def __init__(self, dataset: tf.data.Dataset, mesh: dtensor.Mesh, config: InputConfig):
@@ -234,49 +270,94 @@ class DistributedDataset:
             raise ValueError(
                 f"global_batch_size ({config.global_batch_size}) is not divisible by mesh axis "
                 f"{config.batch_axis!r} (size {size}); use a multiple of {size}")
-        self.features, self.labels = _materialize(dataset)
-        self.num_examples = len(self.labels)
-        for leaf in tf.nest.flatten(self.features):
-            if len(leaf) != self.num_examples:
-                raise ValueError(f"features hold {len(leaf)} examples but labels {self.num_examples}")
-        full, rest = divmod(self.num_examples, config.global_batch_size)
+        cardinality = _check_dataset(dataset)
+        self._dataset = dataset
+        self._has_weights = len(dataset.element_spec) == 3
+        self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
+        spe, g = config.steps_per_epoch, config.global_batch_size
+        self._stream = None  # infinite datasets: (next batch index, iterator)
+        if self.infinite:
+            if spe is None:
+                raise ValueError(
+                    "dataset is infinite (.repeat() without a count); set "
+                    "InputConfig(steps_per_epoch=N) to say how many global batches make an "
+                    "epoch, or remove .repeat() (Trainer.fit(epochs=...) repeats the data)")
+            self.num_examples, self.num_batches, self.num_dropped = spe * g, spe, 0
+            return
+        if cardinality == int(tf.data.UNKNOWN_CARDINALITY):
+            cardinality = int(dataset.reduce(np.int64(0), lambda count, _: count + 1))
+        if cardinality == 0:
+            raise ValueError("dataset is empty")
+        full, rest = divmod(cardinality, g)
         if rest and config.remainder == "error":
             raise ValueError(
-                f"dataset: {self.num_examples} examples do not divide into global batches of "
-                f"{config.global_batch_size} ({full} full batches, {rest} left over); use "
+                f"dataset: {cardinality} examples do not divide into global batches of "
+                f"{g} ({full} full batches, {rest} left over); use "
                 "remainder='drop' (training) or remainder='pad' (evaluation)")
+        self.num_examples = cardinality
         self.num_dropped = rest if config.remainder == "drop" else 0
         self.num_batches = full + (1 if rest and config.remainder == "pad" else 0)
+        if spe is not None:
+            if spe > self.num_batches:
+                raise ValueError(
+                    f"steps_per_epoch={spe} but the dataset holds only {self.num_batches} "
+                    f"global batches of {g} ({cardinality} examples); use at most "
+                    f"{self.num_batches} or .repeat() the dataset")
+            self.num_batches = spe
+            self.num_dropped = cardinality - min(cardinality, spe * g)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if not self.config.shuffle:
-            return np.arange(self.num_examples)
-        return np.random.default_rng([self.config.seed, epoch]).permutation(self.num_examples)
+    def _batched(self, dataset: tf.data.Dataset, seed_epoch: int) -> tf.data.Dataset:
+        if self.config.shuffle:
+            buffer = self.config.shuffle_buffer
+            if not self.infinite:
+                buffer = max(1, min(buffer, self.num_examples))
+            dataset = dataset.shuffle(buffer, seed=_epoch_seed(self.config.seed, seed_epoch),
+                                      reshuffle_each_iteration=False)
+        dataset = dataset.batch(self.config.global_batch_size,
+                                drop_remainder=self.config.remainder == "drop")
+        return dataset
 
-    def _global_batch(self, order: np.ndarray, b: int) -> tuple:
-        size = self.config.global_batch_size
-        index = order[b * size:(b + 1) * size]
-        n = len(index)
+    def _batches(self, epoch: int, skip_batches: int) -> Iterator[tuple]:
+        """This epoch's global batches as numpy ``(features, labels, weights)``, padded."""
+        if not self.infinite:
+            dataset = self._batched(self._dataset, epoch).skip(skip_batches)
+            dataset = dataset.take(self.num_batches - skip_batches)
+            iterator = iter(dataset.prefetch(tf.data.AUTOTUNE).as_numpy_iterator())
+            count = self.num_batches - skip_batches
+        else:  # one continuing stream: epoch e is batches e*N .. (e+1)*N - 1
+            start = epoch * self.num_batches + skip_batches
+            if self._stream is None or self._stream[0] != start:
+                dataset = self._batched(self._dataset, 0).skip(start).prefetch(tf.data.AUTOTUNE)
+                self._stream = [start, iter(dataset.as_numpy_iterator())]
+            iterator, count = self._stream[1], self.num_batches - skip_batches
+        for _ in range(count):
+            element = next(iterator)
+            if self._stream is not None and self.infinite:
+                self._stream[0] += 1
+            yield self._pad(element)
+
+    def _pad(self, element: tuple) -> tuple:
+        features, labels = element[0], element[1]
+        n = len(tf.nest.flatten(labels)[0])
+        weights = (np.asarray(element[2], np.float32) if self._has_weights
+                   else np.ones(n, np.float32))
         axis = self.mesh.dim_size(self.config.batch_axis)
         padded = -(-n // axis) * axis
-        take = lambda a: a[index]  # noqa: E731
-        features = tf.nest.map_structure(take, self.features)
-        labels = take(self.labels)
-        weights = np.ones(padded, np.float32)
         if padded > n:
-            weights[n:] = 0.0
             pad = lambda a: np.concatenate(  # noqa: E731
                 [a, np.zeros((padded - n, *a.shape[1:]), a.dtype)])
             features = tf.nest.map_structure(pad, features)
-            labels = pad(labels)
+            labels = tf.nest.map_structure(pad, labels)
+            weights = pad(weights)
         return features, labels, weights
 
     def _items(self, epoch: int, skip_batches: int) -> Iterator[Batch]:
-        order = self._order(epoch)
         n = self.config.steps_per_call
-        for start in range(skip_batches, self.num_batches, n):
-            parts = [self._global_batch(order, b)
-                     for b in range(start, min(start + n, self.num_batches))]
+        batches = self._batches(epoch, skip_batches)
+        while True:
+            parts = [b for _, b in zip(range(n), batches)]
+            if not parts:
+                return
             if n == 1:
                 yield Batch(*pack(self.mesh, parts[0], batch_axis=self.config.batch_axis))
             else:
@@ -288,8 +369,9 @@ class DistributedDataset:
         """One pass over the data, in the order of ``(seed, epoch)``.
 
         Args:
-          epoch: the epoch number (picks the shuffle order).
-          skip_batches: batches to skip at the start (to resume mid-epoch); not read or packed.
+          epoch: the epoch number (picks the shuffle order; for an infinite dataset, the part of
+            the stream).
+          skip_batches: batches to skip at the start (to resume mid-epoch); not packed or trained.
 
         Yields:
           ``Batch`` items; stacks of up to ``steps_per_call`` batches when that is > 1 (the last

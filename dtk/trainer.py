@@ -250,22 +250,6 @@ class Trainer:
                 f"data has no batches: {data.num_examples} example(s) with global_batch_size="
                 f"{data.config.global_batch_size} and remainder={data.config.remainder!r} give 0 "
                 "steps per epoch; use a smaller global batch size or remainder='pad'")
-        self._check_labels(data)
-
-    def _check_labels(self, data: Any) -> None:
-        """Sparse class labels outside the model's outputs fail inside a step: check them first."""
-        labels = getattr(data, "labels", None)
-        loss_name = type(getattr(self.steps.loss_fn, "__self__", None)).__name__
-        classes = self.model.outputs[0].shape[-1] if getattr(self.model, "outputs", None) else None
-        if labels is None or classes is None or loss_name != "SparseCategoricalCrossentropy":
-            return
-        labels = np.asarray(labels)
-        bad = labels[(labels < 0) | (labels >= classes)]
-        if bad.size:
-            raise ValueError(
-                f"labels hold {bad.size} value(s) outside [0, {classes}) (e.g. {int(bad[0])}); the "
-                f"model has {classes} outputs. Fix the labels, or give the model "
-                f"{int(labels.max()) + 1} outputs")
 
     def fit(self, train_data: Any, *, epochs: int, validation_data: Any = None,
             on_epoch_end: Sequence[Callable[[int, dict], Any]] = (),

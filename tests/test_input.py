@@ -166,7 +166,7 @@ def test_prefetch_stops_early_and_reraises(monkeypatch):
     def broken(*args):
         raise RuntimeError("packing failed")
 
-    monkeypatch.setattr(data, "_global_batch", broken)
+    monkeypatch.setattr(data, "_pad", broken)
     with pytest.raises(RuntimeError, match="packing failed"):
         list(data.epoch(0))
 
@@ -187,7 +187,8 @@ def test_idx_mnist_counts_and_values():
     image, label = next(iter(train))
     assert image.shape == (28, 28, 1) and image.dtype == tf.float32 and label.dtype == tf.int64
     assert 0.0 <= float(tf.reduce_min(image)) and float(tf.reduce_max(image)) <= 1.0
-    np.testing.assert_array_equal(np.bincount(training.labels),
+    labels = np.concatenate([y for _, y in train.batch(4096).as_numpy_iterator()])
+    np.testing.assert_array_equal(np.bincount(labels),
                                   [2406, 2770, 2381, 2524, 2386, 2181, 2401, 2524, 2328, 2444])
 
 
@@ -265,3 +266,76 @@ def test_two_clients_pack_the_same_global_batch():
     for res in results:
         assert res.returncode == 0, res.stderr[-3000:]
         assert "RESULT 4 True True True" in res.stdout
+
+
+# -- streaming ------------------------------------------------------------------------------------
+def _labels_of(items):
+    return np.concatenate([dtk.global_value(b.labels) for b in items])
+
+
+def test_nothing_is_materialized():
+    """A billion-example dataset (about 16 GB of features) is ready at once and streams batches."""
+    huge = tf.data.Dataset.range(10 ** 9).map(
+        lambda i: (tf.fill([4], tf.cast(i, tf.float32)), i))
+    data = input_lib.DistributedDataset(huge, dtk.build_mesh("batch=8"),
+                                        input_lib.InputConfig(global_batch_size=16))
+    assert data.num_batches == 10 ** 9 // 16
+    first = list(itertools.islice(data.epoch(0), 3))
+    np.testing.assert_array_equal(_labels_of(first), np.arange(48))
+
+
+def test_augmentation_in_the_pipeline_runs_every_epoch():
+    augmented = _dataset(32).map(lambda x, y: (x + tf.random.uniform([4]), y))
+    data = input_lib.DistributedDataset(augmented, dtk.build_mesh("batch=8"),
+                                        input_lib.InputConfig(global_batch_size=16))
+    first = [dtk.global_value(next(iter(data.epoch(e))).features) for e in range(2)]
+    assert not np.allclose(first[0], first[1])   # new random shifts in epoch 2
+    np.testing.assert_array_equal(_labels(data, 0), _labels(data, 1))  # same examples
+
+
+def test_infinite_dataset_needs_steps_per_epoch_and_streams_on():
+    mesh = dtk.build_mesh("batch=8")
+    with pytest.raises(ValueError, match=r"dataset is infinite .*steps_per_epoch=N"):
+        input_lib.DistributedDataset(_dataset(24).repeat(), mesh,
+                                     input_lib.InputConfig(global_batch_size=8))
+    cfg = input_lib.InputConfig(global_batch_size=8, steps_per_epoch=2)
+    data = input_lib.DistributedDataset(_dataset(24).repeat(), mesh, cfg)
+    assert (data.num_batches, data.num_examples) == (2, 16)
+    epochs = [_labels(data, e) for e in range(3)]   # one stream: epoch e is batches 2e, 2e+1
+    np.testing.assert_array_equal(np.concatenate(epochs), np.arange(48) % 24)
+    resumed = input_lib.DistributedDataset(_dataset(24).repeat(), mesh, cfg)
+    np.testing.assert_array_equal(_labels(resumed, 2, skip=1), epochs[2][8:])
+
+
+def test_unknown_cardinality_is_counted_and_padded():
+    odd = _dataset(50).filter(lambda x, y: y % 2 == 1)    # 25 examples, cardinality unknown
+    data = input_lib.DistributedDataset(odd, dtk.build_mesh("batch=8"),
+                                        input_lib.InputConfig(global_batch_size=16, remainder="pad"))
+    assert (data.num_examples, data.num_batches) == (25, 2)
+    batches = list(data.epoch(0))
+    assert sum(float(np.sum(dtk.global_value(b.weights))) for b in batches) == 25
+
+
+def test_sample_weights_and_nested_features():
+    rng = np.random.default_rng(0)
+    features = {"image": rng.random((16, 3), dtype=np.float32),
+                "extra": rng.random((16, 2), dtype=np.float32)}
+    weights = np.linspace(0.1, 1.6, 16).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices((features, np.arange(16), weights))
+    data = input_lib.DistributedDataset(ds, dtk.build_mesh("batch=4,model=2"),
+                                        input_lib.InputConfig(global_batch_size=8))
+    batch = next(iter(data))
+    assert set(batch.features) == {"image", "extra"}
+    np.testing.assert_allclose(dtk.global_value(batch.features["extra"]), features["extra"][:8])
+    np.testing.assert_allclose(dtk.global_value(batch.weights), weights[:8])
+
+
+def test_variable_length_features_must_be_padded_by_the_pipeline():
+    ragged = tf.data.Dataset.range(8).map(lambda i: (tf.range(i), i))
+    with pytest.raises(ValueError, match=r"dims of unknown size .*pad variable-length features"):
+        input_lib.DistributedDataset(ragged, dtk.build_mesh("batch=8"),
+                                     input_lib.InputConfig(global_batch_size=8))
+    padded = ragged.map(lambda x, y: (tf.ensure_shape(tf.pad(x, [[0, 8 - tf.size(x)]]), [8]), y))
+    data = input_lib.DistributedDataset(padded, dtk.build_mesh("batch=8"),
+                                        input_lib.InputConfig(global_batch_size=8))
+    assert dtk.global_value(next(iter(data)).features).shape == (8, 8)
