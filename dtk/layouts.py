@@ -341,7 +341,23 @@ def _plan_model(table: LayoutTable, mesh: dtensor.Mesh, model: tf_keras.Model, *
     if not weights:
         raise ValueError("model_factory built a model with no weights; build it (give the first "
                          "layer an input_shape, or pass input_shape= for a subclassed model)")
-    return plan_weights(table, mesh, weights, strict=strict, allow_replicated=allow_replicated)
+    plan = plan_weights(table, mesh, weights, strict=strict, allow_replicated=allow_replicated)
+    _check_gathered_tables(model, plan)
+    return plan
+
+
+def _check_gathered_tables(model: tf_keras.Model, plan: LayoutPlan) -> None:
+    """An Embedding table sharded on dim 0 (rows) fails inside DTensor's gather: say so first."""
+    tables = {id(layer.embeddings) for layer in model._flatten_layers()  # pylint: disable=protected-access
+              if isinstance(layer, tf_keras.layers.Embedding) and hasattr(layer, "embeddings")}
+    by_id = {id(v): path for path, v in weight_paths(model)}
+    for weight in plan.weights:
+        if weight.dims and weight.dims[0] and any(by_id.get(t) == weight.path for t in tables):
+            raise ValueError(
+                f"weight {weight.path} {list(weight.shape)} is an Embedding table sharded on dim 0 "
+                f"(rows) on axis {weight.dims[0]!r} (rule {weight.rule.pattern!r}); DTensor cannot "
+                "gather rows of a table sharded that way. Shard dim 1 (the features) instead: "
+                f"dims = [\"unsharded\", \"{weight.dims[0]}\"]")
 
 
 def _check_factory_result(model: Any) -> tf_keras.Model:
@@ -414,9 +430,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     if isinstance(model_factory, tf_keras.Model):
         raise TypeError("build_model needs the model FACTORY (a function that builds the model), "
                         "not a built model: DTensor weights must be created under the layouts")
-    tf_keras.backend.experimental.enable_tf_random_generator()
+    # The plain build draws its initial values with the user's RNG mode, so they equal a
+    # single-device `set_random_seed(seed); model_factory()` in this process exactly.
     tf_keras.utils.set_random_seed(seed)
-    # plain: gives the weight paths and the initial values
     reference = _plain_model(model_factory, input_shape, mesh, dtype=input_dtype)
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
                        allow_replicated=allow_replicated)
@@ -424,16 +440,31 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         _log.warning("layouts: %s", warning)
     tf_keras.utils.set_random_seed(seed)
     layout_map = _PlannedLayoutMap(plan, mesh)
-    with layout_map.scope():
-        model = model_factory()
-        if not model.built:
-            _build_subclassed(model, layout_map, input_shape, input_dtype)
+    # Random layers of the laid-out model (Dropout) need tf.random.Generator, which DTensor
+    # supports; the layers pick their generator when they are made, so the mode is switched for
+    # this build only and the process keeps the user's.
+    user_rng = tf_keras.backend.experimental.is_tf_random_generator_enabled()
+    tf_keras.backend.experimental.enable_tf_random_generator()
+    try:
+        with layout_map.scope():
+            model = model_factory()
+            if not model.built:
+                _build_subclassed(model, layout_map, input_shape, input_dtype)
+    finally:
+        if not user_rng:
+            tf_keras.backend.experimental.disable_tf_random_generator()
     _lay_out_autocast_variables(model, layout_map)
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
     # Copying the plain build's values makes the initial weights exactly the single-device ones.
-    for variable, value in zip(model.weights, reference.get_weights()):
-        _assign_global(variable, value)
+    # Matched by path, not by position: the two builds may list weights in another order.
+    values = {path: v.numpy() for path, v in weight_paths(reference)}
+    for path, variable in weight_paths(model):
+        if path not in values or tuple(values[path].shape) != tuple(variable.shape):
+            raise ValueError(f"model_factory built different models on two calls: weight {path} "
+                             "of the laid-out build is missing or has another shape in the plain "
+                             "build; the factory must build the same model every time")
+        _assign_global(variable, values[path])
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).
         if isinstance(layer, tf_keras.layers.LayerNormalization):

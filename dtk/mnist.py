@@ -120,6 +120,12 @@ def _to_example(image, label):
     return tf.reshape(image, [28, 28, 1]), tf.cast(label, tf.int64)
 
 
+def random_shift(image, label, *, pixels: int = 2):
+    """Augmentation: shifts a ``[28, 28, 1]`` image by up to ``pixels`` in each direction."""
+    padded = tf.pad(image, [[pixels, pixels], [pixels, pixels], [0, 0]])
+    return tf.image.random_crop(padded, tf.shape(image)), label
+
+
 def network_reachable() -> bool:
     """Whether the TFDS download host answers within a few seconds (False if DTK_OFFLINE=1)."""
     if _env.get_flag(_env.OFFLINE):

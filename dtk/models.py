@@ -111,3 +111,64 @@ def tiny_transformer(*, vocab: int = 64, seq_len: int = 8, dim: int = 16, heads:
     pooled = tf_keras.layers.GlobalAveragePooling1D(name="pool")(h)
     logits = tf_keras.layers.Dense(classes, name="head", dtype="float32")(pooled)
     return tf_keras.Model(tokens, logits, name=name)
+
+
+# -- a byte-level transformer language model ----------------------------------------------------
+class PositionEmbedding(tf_keras.layers.Layer):
+    """Learned position embeddings ``[seq_len, dim]`` added to the token embeddings."""
+
+    def __init__(self, seq_len: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.seq_len, self.dim = seq_len, dim
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            name="embeddings", shape=(self.seq_len, self.dim),
+            initializer=tf_keras.initializers.RandomNormal(stddev=0.02))
+        super().build(input_shape)
+
+    def call(self, x):
+        return x + tf_keras.backend.cast(self.embeddings, x.dtype)[: x.shape[1]]
+
+    def get_config(self):
+        return {**super().get_config(), "seq_len": self.seq_len, "dim": self.dim}
+
+
+def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, heads: int = 4,
+                   layers: int = 2, ff: int | None = None, dropout: float = 0.0,
+                   name: str = "transformer_lm") -> tf_keras.Model:
+    """A decoder-only (GPT-style) transformer over byte tokens: next-token logits ``[B, T, vocab]``.
+
+    Token + learned position embeddings, ``layers`` pre-norm blocks of causal multi-head
+    self-attention and a GELU MLP (``ff`` = 4 * dim by default), a final layer norm and an output
+    projection. Layer names (``embed``, ``pos``, ``block{i}_attn``, ``block{i}_ff1`` ...) are what
+    ``layouts/transformer_lm.toml`` refers to. The logits are float32 under mixed precision.
+    """
+    ff = ff or 4 * dim
+    if dim % heads:
+        raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+    tokens = tf_keras.Input((seq_len,), dtype="int32", name="tokens")
+    h = tf_keras.layers.Embedding(vocab, dim, name="embed",
+                                  embeddings_initializer=tf_keras.initializers.RandomNormal(
+                                      stddev=0.02))(tokens)
+    h = PositionEmbedding(seq_len, dim, name="pos")(h)
+    h = tf_keras.layers.Dropout(dropout, name="drop_in")(h)
+    for i in range(layers):
+        a = tf_keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(h)
+        a = tf_keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout,
+                                               name=f"block{i}_attn")(a, a, use_causal_mask=True)
+        h = h + tf_keras.layers.Dropout(dropout, name=f"block{i}_drop1")(a)
+        f = tf_keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(h)
+        f = tf_keras.layers.Dense(ff, activation="gelu", name=f"block{i}_ff1")(f)
+        f = tf_keras.layers.Dense(dim, name=f"block{i}_ff2")(f)
+        h = h + tf_keras.layers.Dropout(dropout, name=f"block{i}_drop2")(f)
+    h = tf_keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(h)
+    logits = tf_keras.layers.Dense(vocab, name="head", dtype="float32")(h)
+    return tf_keras.Model(tokens, logits, name=name)
+
+
+MODEL_SPECS["lm"] = ModelSpec(
+    name="lm", factory=transformer_lm, layout="transformer_lm", optimizer="adamw",
+    learning_rates={"adamw": 3e-3, "adam": 3e-3}, input_shape=(128,), num_classes=256,
+    note="byte-level LM on Python source; AdamW 3e-3 with 2 blocks of dim 128 learns in minutes")
+MODELS["lm"] = transformer_lm

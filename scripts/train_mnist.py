@@ -58,6 +58,8 @@ flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
 flags.DEFINE_bool("explain_layouts", False, "Print the layout table of every weight and exit.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps in all.")
 flags.DEFINE_string("summary_json", None, "Write a JSON summary of the run to this path.")
+flags.DEFINE_bool("augment", False, "Randomly shift training images by up to 2 pixels, in the "
+                  "tf.data pipeline (new shifts every epoch).")
 flags.DEFINE_bool("restart_from_scratch", False, "Remove the checkpoints in --checkpoint_dir and "
                   "start again (by default a run resumes from them).")
 flags.DEFINE_bool("allow_replicated", False, "Accept a --layout table that shards no weight of "
@@ -201,6 +203,8 @@ def run() -> dict:
         return {}
 
     train_raw = mnist.load_mnist("train", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
+    if FLAGS.augment:
+        train_raw = train_raw.map(mnist.random_shift, num_parallel_calls=2)
     test_raw = mnist.load_mnist("test", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
     train = input_lib.DistributedDataset(train_raw, mesh, input_lib.InputConfig(
         global_batch_size=FLAGS.global_batch_size, remainder="drop", shuffle=True,
