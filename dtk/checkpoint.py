@@ -328,10 +328,14 @@ def global_value(tensor: Any) -> np.ndarray:
     layout = dtensor.fetch_layout(tensor)
     if layout is None:
         return np.asarray(tensor)
-    replicated = dtensor.Layout.replicated(layout.mesh, layout.rank)
     value = tensor.read_value() if hasattr(tensor, "read_value") else tensor
-    if not layout.is_fully_replicated():
-        value = dtensor.relayout(value, replicated)
+    # One sharded dim at a time: DTensor's lowering of an all-gather over several mesh axes at
+    # once fails for some layouts (e.g. [batch, unsharded, model] logits of a model-parallel LM).
+    specs = list(layout.sharding_specs)
+    for dim, spec in enumerate(specs):
+        if spec != dtensor.UNSHARDED:
+            specs[dim] = dtensor.UNSHARDED
+            value = dtensor.relayout(value, dtensor.Layout(specs, layout.mesh))
     return dtensor.unpack(value)[0].numpy()
 
 

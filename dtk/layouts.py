@@ -517,6 +517,47 @@ def _lay_out_autocast_variables(model: tf_keras.Model, layout_map: _PlannedLayou
                 layout_map, path, inner)
 
 
+def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
+                      shard_optimizer_state: bool = False) -> dict[str, int]:
+    """Bytes per device of the weights and of the optimizer state, from the plan (no variables).
+
+    ``optimizer_slots``: state tensors per weight (Adam/AdamW: 2, SGD with momentum: 1). With
+    ``shard_optimizer_state`` the state of a weight with a dim divisible by the batch axis is
+    split over it too (see ``dtk.steps.update_layout``); the sharded update also keeps a float32
+    copy of each weight laid out like its state.
+    """
+    sizes = dict(plan.mesh_axes)
+    batch = sizes.get("batch", 1)
+    weights = sum(w.bytes_per_device for w in plan.weights)
+    state = 0
+    for w in plan.weights:
+        split = 1
+        if shard_optimizer_state and batch > 1 and "batch" not in w.dims and any(
+                d is None and n % batch == 0 for d, n in zip(w.dims, w.shape)):
+            split = batch
+        state += (optimizer_slots + (1 if shard_optimizer_state else 0)) * w.bytes_per_device // split
+    return {"weights": weights, "optimizer": state, "total": weights + state}
+
+
+def check_memory_budget(plan: LayoutPlan, budget_bytes: float, **kwargs) -> dict[str, int]:
+    """Raises when weights + optimizer state per device exceed ``budget_bytes`` (before any
+    variable exists), showing the arithmetic; returns ``memory_per_device``.
+
+    Raises:
+      ValueError: over budget, with the figures and how far the model axis would bring them.
+    """
+    memory = memory_per_device(plan, **kwargs)
+    if memory["total"] > budget_bytes:
+        mesh = ",".join(f"{k}={v}" for k, v in plan.mesh_axes)
+        raise ValueError(
+            f"the model does not fit the device memory budget on mesh {mesh}: weights "
+            f"{_bytes(memory['weights'])} + optimizer state {_bytes(memory['optimizer'])} = "
+            f"{_bytes(memory['total'])} per device > budget {_bytes(int(budget_bytes))} "
+            "(activations not counted). Shard it on a larger model axis (e.g. model=8), turn on "
+            "the sharded optimizer update, or raise the budget")
+    return memory
+
+
 # -- explainer ------------------------------------------------------------------------------------
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
