@@ -71,21 +71,6 @@ def test_losses_match_across_meshes(tmp_path, batch8, mesh, extra):
     assert summary["test_examples"] == 10_000
 
 
-def test_resume_matches_uninterrupted(tmp_path):
-    common = ["--mesh", "batch=8", "--epochs", "2", "--global_batch_size", "1024",
-              "--checkpoint_dir", str(tmp_path / "ckpt")]
-    # 23 steps per epoch; stop in epoch 2, then resume to the end.
-    first, _ = _train(tmp_path, "first", *common, "--max_steps", "30")
-    assert first["steps"] == 30
-    resumed, out = _train(tmp_path, "resumed", *common)
-    assert "Resumed from" in out
-    full, _ = _train(tmp_path, "full", "--mesh", "batch=8", "--epochs", "2",
-                     "--global_batch_size", "1024")
-    assert resumed["steps"] == full["steps"] == 46
-    np.testing.assert_allclose(resumed["train_loss"], full["train_loss"], rtol=1e-5)
-    np.testing.assert_allclose(resumed["test_loss"], full["test_loss"], rtol=1e-5)
-
-
 def test_export_matches_run(batch8):
     summary, _ = batch8
     export_dir = summary["export"]["keras"]
@@ -119,23 +104,6 @@ def test_offline_tfds_fails_in_one_line(tmp_path):
     assert res.returncode != 0
     lines = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and "--dataset idx --data_dir" in lines[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--mesh", "batch=16"], "needs 16 devices"),
-    (["--mesh", "batch8"], "--mesh"),
-    (["--model", "resnet"], "resnet"),
-    (["--layout", "no_such_table"], "no_such_table"),
-    (["--optimizer", "adamm"], "--optimizer 'adamm' is unknown"),
-    (["--global_batch_size", "100"], "not divisible by mesh axis 'batch' (size 8)"),
-    (["--data_dir", "/no/such/dir"], "is not a directory"),
-])
-def test_bad_flags_fail_in_one_line(flags, words):
-    args = ["--dataset", "idx", "--data_dir", DATA, "--virtual_devices", "8"]
-    res = _run(*args, *flags, timeout=120)
-    assert res.returncode != 0
-    assert words in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
 
 

@@ -1,0 +1,134 @@
+"""The transformer language model: parity with one device on every data x model mesh, the text
+windows, the memory budget, and scripts/train_lm.py end to end."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+from dtk import input as input_lib
+from dtk import layouts, models, text
+from tests import procs
+
+FACTORY = functools.partial(models.transformer_lm, vocab=64, seq_len=16, dim=32, heads=8,
+                            layers=1)
+B, N = 8, 10
+MESHES = ["batch=8", "batch=4,model=2", "batch=2,model=4", "batch=1,model=8"]
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 64, (N, B, 16)).astype(np.int32),
+            rng.integers(0, 64, (N, B, 16)).astype(np.int64))
+
+
+def _optimizer(name, mesh=None):
+    kwargs = {"learning_rate": 3e-3} | ({"weight_decay": 0.01} if name == "adamw" else {})
+    cls = {"adam": tf_keras.optimizers.Adam, "adamw": tf_keras.optimizers.AdamW}[name]
+    return cls(mesh=mesh, **kwargs) if mesh is not None else cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(opt_name):
+    tf_keras.utils.set_random_seed(7)
+    model = FACTORY()
+    opt = _optimizer(opt_name)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    x, y = _data()
+    return np.array([float(step(x[i], y[i])) for i in range(N)])
+
+
+@pytest.mark.parametrize("spec, opt_name, shard", [
+    *[(m, "adam", False) for m in MESHES],
+    ("batch=4,model=2", "adamw", False), ("batch=1,model=8", "adamw", False),
+    ("batch=8", "adam", True), ("batch=2,model=4", "adamw", True)])
+def test_lm_parity_with_one_device(spec, opt_name, shard):
+    mesh = dtk.build_mesh(spec)
+    model, plan = layouts.build_model(FACTORY, mesh, "transformer_lm", seed=7)
+    if "model" in spec:
+        kernel = {w.path: w.spec() for w in plan.weights}["block0_attn._query_dense.kernel"]
+        assert kernel == "[unsharded, model, unsharded]"
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=_optimizer(opt_name, mesh), mesh=mesh,
+                      config=dtk.StepConfig(shard_optimizer_state=shard))
+    x, y = _data()
+    losses = [float(steps.train(input_lib.pack(mesh, (x[i], y[i], np.ones(B, np.float32)))))
+              for i in range(N)]
+    np.testing.assert_allclose(losses, _reference(opt_name), rtol=1e-5)
+
+
+def test_every_weight_has_a_rule_and_model_shards_most_bytes():
+    plan = layouts.plan_layouts("transformer_lm", dtk.build_mesh("batch=1,model=8"), FACTORY,
+                                strict=True)
+    assert all(w.rule is not None for w in plan.weights)   # default = "error" would have raised
+    total = sum(w.bytes_total for w in plan.weights)
+    per_device = sum(w.bytes_per_device for w in plan.weights)
+    assert per_device < total / 3
+
+
+def test_vocab_sharded_embedding_is_rejected_before_dtensor(tmp_path):
+    table = tmp_path / "rows.toml"
+    table.write_text('axes = ["batch", "model"]\n[[rules]]\npattern = "embed\\\\.embeddings"\n'
+                     'dims = ["model", "unsharded"]\n')
+    with pytest.raises(ValueError, match=r"weight embed.embeddings \[64, 32\] is an Embedding table "
+                                         r"sharded on dim 0 .*Shard dim 1"):
+        layouts.plan_layouts(str(table), dtk.build_mesh("batch=4,model=2"), FACTORY)
+
+
+def test_memory_budget_shows_the_arithmetic():
+    big = functools.partial(models.transformer_lm, vocab=256, seq_len=128, dim=1024, heads=8,
+                            layers=4)
+    replicated = layouts.plan_layouts("transformer_lm", dtk.build_mesh("batch=8"), big)
+    sharded = layouts.plan_layouts("transformer_lm", dtk.build_mesh("batch=1,model=8"), big)
+    budget = 0.25 * 2 ** 30
+    with pytest.raises(ValueError, match=r"weights .* \+ optimizer state .* = .* per device > "
+                                         r"budget 256.0 MiB.*model=8"):
+        layouts.check_memory_budget(replicated, budget)
+    memory = layouts.check_memory_budget(sharded, budget)
+    assert memory["total"] < budget
+    full = layouts.memory_per_device(replicated)
+    assert full["optimizer"] == 2 * full["weights"]
+    assert memory["weights"] < full["weights"] / 6
+
+
+def test_text_windows_and_corpus():
+    corpus = text.load_corpus(max_bytes=2_000_000)
+    assert len(corpus.train) > 10 * len(corpus.heldout) > 0
+    assert 4.0 < text.unigram_bits_per_byte(corpus.train) < 6.0
+    data = list(text.windows(b"abcdefghij" * 3, seq_len=4).as_numpy_iterator())
+    x, y = data[0]
+    assert bytes(x.astype(np.uint8)) == b"abcd" and bytes(y.astype(np.uint8)) == b"bcde"
+    assert len(data) == (30 - 5) // 4 + 1
+    with pytest.raises(ValueError, match="cannot be read"):
+        text.load_corpus("/no/such/file.txt")
+
+
+@pytest.mark.slow
+def test_train_lm_learns_and_generates(tmp_path):
+    summary = tmp_path / "lm.json"
+    res = subprocess.run(
+        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--mesh", "batch=2,model=4",
+         "--steps", "60", "--eval_every", "30", "--eval_batches", "4", "--sample_bytes", "20",
+         "--summary_json", str(summary)],
+        capture_output=True, text=True, timeout=400, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert len(s["train_loss"]) == 2 and s["train_loss"][1] < s["train_loss"][0]
+    assert s["heldout_bits_per_byte"] < s["unigram_bits_per_byte"] - 0.3
+    assert s["sample"].startswith("def main(") and len(s["sample"].encode()) >= 29
+    assert "held-out" in res.stdout and "bits/byte" in res.stdout and "tokens/s" in res.stdout
