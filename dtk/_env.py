@@ -30,6 +30,13 @@ import warnings
 COMBINE_ALL_REDUCES_ENV = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
 _SAFE_VALUE = "0"
 GATHER_V2_ENV = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+GPU_NCCL_ENV = "DTENSOR_GPU_USE_NCCL_COMMUNICATION"
+
+
+def apply_gpu_defaults() -> None:
+    """GPU meshes: DTensor uses NCCL collectives only when asked (else its generic ones, slower on
+    NVIDIA GPUs); dtk asks unless the user set the variable. Called before the GPU mesh exists."""
+    os.environ.setdefault(GPU_NCCL_ENV, "1")
 
 
 def apply_safe_defaults() -> None:

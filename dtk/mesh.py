@@ -202,6 +202,8 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
                 "initializes its devices, and TensorFlow is already initialized in this process. "
                 "Call dtk.build_mesh before any TensorFlow op runs")
         return  # single client: use the devices that exist
+    if device_type == "GPU":
+        _env.apply_gpu_defaults()
     num_cpus = None
     if device_type == "CPU":
         if virtual_devices is not None:

@@ -17,7 +17,10 @@ be faster: the ratio shows the SPMD overhead (dispatch on every device, collecti
 optimizer updates), which is also paid on GPUs and TPUs.
 
 Workloads: ``mlp`` is the MNIST MLP (784-128-10) at global batch 128; ``heavy`` is 784-1024-1024-10
-at global batch 1024. All variants train with Adam on random MNIST-shaped data, pre-packed (input
+at global batch 1024; ``lm`` is the byte-level transformer LM of ``scripts/train_lm.py`` (2 blocks,
+dim 128, 8 heads, 128 tokens, global batch 32; Megatron table ``transformer_lm``), reported also in
+tokens/s (``python scripts/bench.py --workloads lm --variants
+dtk_batch8,dtk_batch4_model2,dtk_batch2_model4,dtk_batch1_model8``). All variants train with Adam on random MNIST-shaped data, pre-packed (input
 packing is measured by ``scripts/bench_input.py``).
 
 ``--breakdown`` times pieces of one step in a single process on 8 virtual CPUs, alternating them
@@ -39,7 +42,10 @@ import time
 WORKLOADS = {
     "mlp": {"hidden": (128,), "batch": 128, "steps": 60},
     "heavy": {"hidden": (1024, 1024), "batch": 1024, "steps": 8},
+    "lm": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12},
 }
+MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
+          "dtk_batch1_model8": "batch=1,model=8"}
 VARIANTS = {
     "floor": "plain tf.function loop, 1 device",
     "keras_fit": "plain tf_keras Model.fit, 1 device",
@@ -48,10 +54,13 @@ VARIANTS = {
     "dtk_batch8_spe": "dtk Steps, mesh batch=8, steps_per_execution=10",
     "dtk_batch8_zero": "dtk Steps, mesh batch=8, shard_optimizer_state (ZeRO-style update)",
     "dtk_batch8_zero_spe": "dtk Steps, mesh batch=8, shard_optimizer_state, steps_per_execution=10",
-    "dtk_batch4_model2": "dtk Steps, mesh batch=4,model=2 (mlp_model_parallel)",
+    "dtk_batch4_model2": "dtk Steps, mesh batch=4,model=2 (mlp_model_parallel / transformer_lm)",
+    "dtk_batch2_model4": "dtk Steps, mesh batch=2,model=4 (model-parallel table)",
+    "dtk_batch1_model8": "dtk Steps, mesh batch=1,model=8 (model-parallel table)",
 }
 # Run by default; the rest with --variants (the whole default run stays under 10 minutes here).
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "dtk_batch8_zero_spe"]
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("dtk_batch8_zero_spe", "dtk_batch2_model4",
+                                                     "dtk_batch1_model8")]
 WORKER_TIMEOUT_S = 300
 
 
@@ -104,6 +113,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     import tf_keras  # pylint: disable=g-import-not-at-top
 
     spec = WORKLOADS[workload]
+    if workload == "lm":
+        return _lm_worker(variant, spec, steps)
     batch, hidden = spec["batch"], spec["hidden"]
     spe = 10 if "_spe" in variant else 1
     rng = np.random.default_rng(0)
@@ -158,6 +169,59 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         first += build_s
     return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
             "first_step_s": first, "timed_steps": len(times) * spe}
+
+
+def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
+    """The LM workload: the plain single-device step (floor) or dtk Steps on a mesh."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, models  # pylint: disable=g-import-not-at-top
+    if variant not in ("floor", "dtk_batch8", "dtk_batch8_zero") and variant not in MESHES:
+        raise SystemExit(f"variant {variant} does not apply to the lm workload")
+    batch, seq = spec["batch"], spec["seq_len"]
+
+    def factory():
+        return models.transformer_lm(vocab=256, seq_len=seq, dim=spec["dim"],
+                                     heads=spec["heads"], layers=spec["layers"])
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (batch, seq)).astype(np.int32)
+    y = rng.integers(0, 256, (batch, seq)).astype(np.int64)
+    if variant != "floor":
+        dtk.configure_virtual_cpus(8)
+    tf_keras.utils.set_random_seed(0)
+    start = time.perf_counter()
+    if variant == "floor":
+        model = factory()
+        opt = tf_keras.optimizers.Adam()
+        loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = loss_obj(yb, model(xb, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+
+        xb, yb = tf.constant(x), tf.constant(y)
+        first, times = _timed(lambda: step(xb, yb), steps)
+    else:
+        mesh = dtk.build_mesh(MESHES.get(variant, "batch=8"))
+        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0)
+        steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
+                              mesh=mesh, config=dtk.StepConfig(
+                                  shard_optimizer_state="_zero" in variant))
+        packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
+        build_s = time.perf_counter() - start
+        first, times = _timed(lambda: steps_obj.train(packed), steps)
+        first += build_s
+    ms = statistics.median(times)
+    return {"variant": variant, "workload": "lm", "ms_per_step": ms, "first_step_s": first,
+            "timed_steps": len(times), "tokens_per_s": round(batch * seq / ms * 1000)}
 
 
 # -- breakdown (one process) ---------------------------------------------------------------------
@@ -288,6 +352,8 @@ def _summarize(runs: list[dict]) -> list[dict]:
                 row.update(ms_per_step=round(ms, 3),
                            first_step_s=round(statistics.median(r["first_step_s"] for r in ok), 3),
                            ratio_to_floor=round(ms / floor, 2) if floor else None)
+                if all("tokens_per_s" in r for r in ok):
+                    row["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in ok))
             if errors:
                 row["errors"] = errors
             rows.append(row)
@@ -299,8 +365,9 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         if "ms_per_step" in r:
             ratio = f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-"
+            tokens = f" ({r['tokens_per_s']:,} tokens/s)" if "tokens_per_s" in r else ""
             lines.append(f"{r['workload']:8} {r['variant']:18} {r['ms_per_step']:9.2f} {ratio:>8} "
-                         f"{r['first_step_s']:12.2f}  {VARIANTS[r['variant']]}")
+                         f"{r['first_step_s']:12.2f}  {VARIANTS[r['variant']]}{tokens}")
         else:
             lines.append(f"{r['workload']:8} {r['variant']:18} failed: {r['errors'][0]}")
     return "\n".join(lines)
