@@ -82,6 +82,10 @@ class InputConfig:
       batch_axis: the mesh axis that dim 0 is sharded on.
       steps_per_epoch: batches per epoch; required for an infinite dataset, optional otherwise
         (at most the batches a finite dataset holds).
+      num_classes: integer class labels must lie in ``[0, num_classes)``; checked on the host
+        for every batch before it is packed. A label out of range inside a DTensor step fails
+        the step's collectives, and a process whose collectives failed cannot run DTensor
+        collectives again, so the check belongs here.
     """
 
     global_batch_size: int
@@ -93,6 +97,7 @@ class InputConfig:
     prefetch: int = 2
     batch_axis: str = BATCH_AXIS
     steps_per_epoch: int | None = None
+    num_classes: int | None = None
 
     def __post_init__(self):
         for name in ("global_batch_size", "steps_per_call"):
@@ -104,6 +109,9 @@ class InputConfig:
                              f"{', '.join(REMAINDER_POLICIES)}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0; got {self.prefetch}")
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ValueError(f"num_classes must be a positive integer or None; got "
+                             f"{self.num_classes}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"shuffle_buffer must be a positive integer; got {self.shuffle_buffer}")
         if self.steps_per_epoch is not None and (
@@ -336,8 +344,21 @@ class DistributedDataset:
                 self._stream[0] += 1
             yield self._pad(element)
 
+    def _check_labels(self, labels) -> None:
+        classes = self.config.num_classes
+        for leaf in tf.nest.flatten(labels):
+            leaf = np.asarray(leaf)
+            bad = leaf[(leaf < 0) | (leaf >= classes)]
+            if bad.size:
+                raise ValueError(
+                    f"labels hold {bad.size} value(s) outside [0, {classes}) in a batch (e.g. "
+                    f"{bad.flat[0]}; InputConfig(num_classes={classes})); fix the labels or the "
+                    "number of classes (the model's outputs)")
+
     def _pad(self, element: tuple) -> tuple:
         features, labels = element[0], element[1]
+        if self.config.num_classes is not None:
+            self._check_labels(labels)
         n = len(tf.nest.flatten(labels)[0])
         weights = (np.asarray(element[2], np.float32) if self._has_weights
                    else np.ones(n, np.float32))

@@ -48,6 +48,12 @@ _PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
 _log = logging.getLogger("dtk")
 
 
+# A failed step cancels the process's collective group; TensorFlow cannot reset it in-process.
+_RESTART_NOTE = (". A step that fails inside DTensor cancels the process's collectives: restart "
+                 "the process to train again (with checkpoint_dir it resumes); checks on the host "
+                 "(InputConfig(num_classes=...)) catch bad labels before a step")
+
+
 class NonFiniteLossError(ValueError):
     """Training stopped because the loss became NaN or infinite."""
 
@@ -315,8 +321,9 @@ class Trainer:
             return self._epoch_loop(data, epoch, skip, steps_per_epoch, on_step_end, progbar)
         except tf.errors.OpError as e:
             context.async_clear_error()  # else every later DTensor call in the process fails
-            raise ValueError(f"a step failed in epoch {epoch + 1}, step {self.global_step + 1}: "
-                             f"{first_line(e)}") from e
+            # DTensor runs steps asynchronously: the failure may surface a step or two later.
+            raise ValueError(f"a step failed in epoch {epoch + 1}, at or before step "
+                             f"{self.global_step + 1}: {first_line(e)}{_RESTART_NOTE}") from e
 
     def _epoch_loop(self, data, epoch, skip, steps_per_epoch, on_step_end, progbar):
         done = skip

@@ -208,9 +208,11 @@ def run() -> dict:
     test_raw = mnist.load_mnist("test", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
     train = input_lib.DistributedDataset(train_raw, mesh, input_lib.InputConfig(
         global_batch_size=FLAGS.global_batch_size, remainder="drop", shuffle=True,
-        seed=FLAGS.seed, steps_per_call=FLAGS.steps_per_execution))
+        seed=FLAGS.seed, steps_per_call=FLAGS.steps_per_execution,
+        num_classes=model_spec.num_classes))
     test = input_lib.DistributedDataset(test_raw, mesh, input_lib.InputConfig(
-        global_batch_size=FLAGS.global_batch_size, remainder="pad"))
+        global_batch_size=FLAGS.global_batch_size, remainder="pad",
+        num_classes=model_spec.num_classes))
 
     optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
     learning_rate = FLAGS.learning_rate or model_spec.learning_rate(optimizer_name)
