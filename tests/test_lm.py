@@ -53,10 +53,9 @@ def _reference(opt_name):
     return np.array([float(step(x[i], y[i])) for i in range(N)])
 
 
-@pytest.mark.parametrize("spec, opt_name, shard", [
-    *[(m, "adam", False) for m in MESHES],
-    ("batch=4,model=2", "adamw", False), ("batch=1,model=8", "adamw", False),
-    ("batch=8", "adam", True), ("batch=2,model=4", "adamw", True)])
+@pytest.mark.parametrize("spec, opt_name, shard", [  # every mesh; Adam, AdamW; sharded update
+    ("batch=8", "adam", False), ("batch=4,model=2", "adamw", False),
+    ("batch=2,model=4", "adam", True), ("batch=1,model=8", "adamw", True)])
 def test_lm_parity_with_one_device(spec, opt_name, shard):
     mesh = dtk.build_mesh(spec)
     model, plan = layouts.build_model(FACTORY, mesh, "transformer_lm", seed=7)
