@@ -14,14 +14,13 @@ same ``--checkpoint_dir`` resumes. Errors are one ``error:`` line, exit status 2
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 import time
 
 from absl import app, flags
-from absl import logging as absl_logging
+
+from dtk.cli import UsageError
 
 _START = time.perf_counter()
 FLAGS = flags.FLAGS
@@ -52,29 +51,27 @@ flags.DEFINE_string("summary_json", None, "Write a JSON summary here.")
 flags.DEFINE_bool("explain_layouts", False, "Print where every weight lives and exit.")
 
 
-class _Fail(Exception):
-    """A user error: one line, exit status 2."""
 
 
 def _check_flags():
     for name in ("seq_len", "dim", "heads", "layers", "global_batch_size", "steps", "eval_every",
                  "eval_batches"):
         if getattr(FLAGS, name) < 1:
-            raise _Fail(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+            raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     if FLAGS.dim % FLAGS.heads:
-        raise _Fail(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
+        raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
     if not 0 <= FLAGS.dropout < 1:
-        raise _Fail(f"--dropout must be in [0, 1); got {FLAGS.dropout}")
+        raise UsageError(f"--dropout must be in [0, 1); got {FLAGS.dropout}")
     if not FLAGS.learning_rate > 0 or FLAGS.learning_rate == float("inf"):
-        raise _Fail(f"--learning_rate must be a positive, finite number; got {FLAGS.learning_rate}")
+        raise UsageError(f"--learning_rate must be a positive, finite number; got {FLAGS.learning_rate}")
     if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
-        raise _Fail(f"--text_file {FLAGS.text_file!r} is not a file")
+        raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
     if FLAGS.summary_json and os.path.isdir(FLAGS.summary_json):
-        raise _Fail(f"--summary_json {FLAGS.summary_json!r} is a directory; give a file path")
+        raise UsageError(f"--summary_json {FLAGS.summary_json!r} is a directory; give a file path")
     if not FLAGS.prompt:
-        raise _Fail("--prompt is empty; give a few bytes to continue, e.g. 'def '")
+        raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
     if len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
-        raise _Fail(f"--prompt is {len(FLAGS.prompt.encode())} bytes; keep it shorter than "
+        raise UsageError(f"--prompt is {len(FLAGS.prompt.encode())} bytes; keep it shorter than "
                     f"--seq_len {FLAGS.seq_len}")
 
 
@@ -118,7 +115,7 @@ def run() -> dict:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
         mesh = dtk.build_mesh(spec, device_type=FLAGS.device)
     except ValueError as e:
-        raise _Fail(f"--mesh {FLAGS.mesh}: {e}") from None
+        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
     lead = dtk.cluster.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
     say(dtk.describe_mesh(mesh), flush=True)
@@ -211,30 +208,14 @@ def main(argv):
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}; all options are --flags", file=sys.stderr)
         return 2
-    if not FLAGS["verbosity"].present:
-        absl_logging.set_verbosity(absl_logging.ERROR)
-        from dtk import _env  # pylint: disable=g-import-not-at-top
-        _env.import_tensorflow_quietly()
-    log = logging.getLogger("dtk")
-    log.addHandler(logging.StreamHandler(sys.stdout))
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    try:
-        summary = run()
-    except _Fail as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError) as e:
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
-        return 2
-    import dtk  # pylint: disable=g-import-not-at-top
-    if FLAGS.summary_json and summary and dtk.cluster.is_lead_client():
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.summary_json)), exist_ok=True)
-        with open(FLAGS.summary_json + ".tmp", "w") as f:
-            json.dump(summary, f, indent=1)
-        os.replace(FLAGS.summary_json + ".tmp", FLAGS.summary_json)
-    return 0
+    from dtk import cli  # pylint: disable=g-import-not-at-top
+    cli.setup_output(verbose=FLAGS["verbosity"].present)
+    status, summary = cli.run_reporting_errors(run)
+    if status == 0 and FLAGS.summary_json and summary:
+        import dtk  # pylint: disable=g-import-not-at-top
+        if dtk.cluster.is_lead_client():
+            cli.write_json(FLAGS.summary_json, summary)
+    return status
 
 
 if __name__ == "__main__":

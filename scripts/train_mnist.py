@@ -15,15 +15,14 @@ training where it can be. TensorFlow's start-up log lines are hidden unless ``--
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import platform
 import sys
 import time
 
 from absl import app, flags
-from absl import logging as absl_logging
+
+from dtk.cli import UsageError
 
 _START = time.perf_counter()
 
@@ -68,8 +67,6 @@ flags.DEFINE_bool("allow_replicated", False, "Accept a --layout table that shard
 _OUTPUT_DIRS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 
 
-class _Fail(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def _check_flags(dtk) -> tuple:
@@ -78,44 +75,44 @@ def _check_flags(dtk) -> tuple:
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
-        raise _Fail(f"--mesh: {e}") from None
+        raise UsageError(f"--mesh: {e}") from None
     for name in ("epochs", "global_batch_size", "steps_per_execution"):
         if getattr(FLAGS, name) < 1:
-            raise _Fail(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+            raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     if FLAGS.max_steps is not None and FLAGS.max_steps < 1:
-        raise _Fail(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
+        raise UsageError(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
     if FLAGS.virtual_devices is not None and FLAGS.virtual_devices < 1:
-        raise _Fail(f"--virtual_devices must be a positive integer; got {FLAGS.virtual_devices} "
+        raise UsageError(f"--virtual_devices must be a positive integer; got {FLAGS.virtual_devices} "
                     "(leave it out to create as many as the mesh needs)")
     lr = FLAGS.learning_rate
     if lr is not None and not (lr > 0 and lr != float("inf")):
-        raise _Fail(f"--learning_rate must be a positive, finite number; got {lr}")
+        raise UsageError(f"--learning_rate must be a positive, finite number; got {lr}")
     if dtk.BATCH_AXIS not in spec.axis_names:
-        raise _Fail(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
+        raise UsageError(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
                     f"inputs are sharded on; add one, e.g. --mesh {dtk.BATCH_AXIS}=1,{spec}")
     _check_outputs()
     batch_size = dict(spec.axes).get(dtk.BATCH_AXIS, 1)
     if FLAGS.global_batch_size % batch_size:
-        raise _Fail(f"--global_batch_size {FLAGS.global_batch_size} is not divisible by mesh axis "
+        raise UsageError(f"--global_batch_size {FLAGS.global_batch_size} is not divisible by mesh axis "
                     f"'{dtk.BATCH_AXIS}' (size {batch_size}); use a multiple of {batch_size}")
     if FLAGS.optimizer and FLAGS.optimizer.lower() not in optimizers.OPTIMIZERS:
-        raise _Fail(f"--optimizer {FLAGS.optimizer!r} is unknown; choose one of "
+        raise UsageError(f"--optimizer {FLAGS.optimizer!r} is unknown; choose one of "
                     f"{', '.join(sorted(optimizers.OPTIMIZERS))}")
     if FLAGS.dataset == "sample" and FLAGS.data_dir:
-        raise _Fail("--dataset sample reads the sample bundled with dtk; drop --data_dir (or use "
+        raise UsageError("--dataset sample reads the sample bundled with dtk; drop --data_dir (or use "
                     "--dataset idx --data_dir DIR)")
     if FLAGS.data_dir and FLAGS.dataset == "tfds" and not os.path.isdir(FLAGS.data_dir):
-        raise _Fail(f"--data_dir {FLAGS.data_dir!r} is not a directory")
+        raise UsageError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     if FLAGS.dataset == "idx":
         if not FLAGS.data_dir:
-            raise _Fail("--dataset idx needs --data_dir DIR (a directory of MNIST IDX files, e.g. "
+            raise UsageError("--dataset idx needs --data_dir DIR (a directory of MNIST IDX files, e.g. "
                         "../shared/data/mnist)")
         if not os.path.isdir(FLAGS.data_dir):
-            raise _Fail(f"--data_dir {FLAGS.data_dir!r} is not a directory")
+            raise UsageError(f"--data_dir {FLAGS.data_dir!r} is not a directory")
     try:
         table = layouts.load_table(FLAGS.layout or models.MODEL_SPECS[FLAGS.model].layout)
     except ValueError as e:
-        raise _Fail(f"--layout: {e}") from None
+        raise UsageError(f"--layout: {e}") from None
     _check_cores(spec)
     return spec, table
 
@@ -123,12 +120,12 @@ def _check_flags(dtk) -> tuple:
 def _writable_dir(flag: str, path: str) -> None:
     """Checks that ``path`` is (or can be created as) a writable directory, without leaving it."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise _Fail(f"--{flag} {path!r} is a file; give a directory")
+        raise UsageError(f"--{flag} {path!r} is a file; give a directory")
     parent = path
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent.rstrip(os.sep)) or "."
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise _Fail(f"--{flag} {path!r} is not writable (no write permission on {parent!r}); "
+        raise UsageError(f"--{flag} {path!r} is not writable (no write permission on {parent!r}); "
                     "give a writable path")
 
 
@@ -140,7 +137,7 @@ def _check_outputs() -> None:
     path = FLAGS.summary_json
     if path:
         if path.endswith(os.sep) or os.path.isdir(path):
-            raise _Fail(f"--summary_json {path!r} is a directory; give a file path, e.g. "
+            raise UsageError(f"--summary_json {path!r} is a directory; give a file path, e.g. "
                         f"{os.path.join(path, 'summary.json')}")
         _writable_dir("summary_json", os.path.dirname(os.path.abspath(path)))
 
@@ -150,7 +147,7 @@ def _check_cores(spec) -> None:
     cores = os.cpu_count() or 1
     devices = FLAGS.virtual_devices or spec.num_devices
     if FLAGS.device in ("auto", "cpu") and FLAGS.virtual_devices is None and devices > 8 * cores:
-        raise _Fail(f"--mesh {spec} needs {devices} virtual CPUs on a machine with {cores} "
+        raise UsageError(f"--mesh {spec} needs {devices} virtual CPUs on a machine with {cores} "
                     f"core(s): each step would be about {devices // cores}x slower than on one "
                     f"device. Use a smaller mesh, or confirm with --virtual_devices {devices}")
 
@@ -169,7 +166,7 @@ def _check_device(dtk) -> None:
     if FLAGS.device in ("gpu", "tpu"):
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
         if not tf.config.list_physical_devices(FLAGS.device.upper()):
-            raise _Fail(f"--device {FLAGS.device}: this machine has no {FLAGS.device.upper()} "
+            raise UsageError(f"--device {FLAGS.device}: this machine has no {FLAGS.device.upper()} "
                         "that TensorFlow can see; use --device cpu (or auto)")
     del dtk
 
@@ -188,7 +185,7 @@ def run() -> dict:
         mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
                               virtual_devices=FLAGS.virtual_devices)
     except ValueError as e:
-        raise _Fail(f"--mesh {FLAGS.mesh}: {e}") from None
+        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
     lead = dtk.cluster.is_lead_client()
     if lead:
         print(dtk.describe_mesh(mesh), flush=True)
@@ -258,44 +255,19 @@ def run() -> dict:
     }
 
 
-def _quiet_logs() -> None:
-    """Hides TensorFlow's C++ start-up lines and DTensor's INFO lines unless --verbosity is given."""
-    if not FLAGS["verbosity"].present:
-        absl_logging.set_verbosity(absl_logging.ERROR)
-        from dtk import _env  # pylint: disable=g-import-not-at-top
-        _env.import_tensorflow_quietly()
-    log = logging.getLogger("dtk")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
 def main(argv):
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}; all options are --flags (see --helpfull)",
               file=sys.stderr)
         return 2
-    _quiet_logs()
-    try:
-        summary = run()
-    except _Fail as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError) as e:  # dtk's user errors: one line, no traceback
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr)
-        return 2
-    if FLAGS.summary_json and summary:
+    from dtk import cli  # pylint: disable=g-import-not-at-top
+    cli.setup_output(verbose=FLAGS["verbosity"].present)
+    status, summary = cli.run_reporting_errors(run)
+    if status == 0 and FLAGS.summary_json and summary:
         import dtk  # pylint: disable=g-import-not-at-top
         if dtk.cluster.is_lead_client():
-            os.makedirs(os.path.dirname(os.path.abspath(FLAGS.summary_json)), exist_ok=True)
-            tmp = FLAGS.summary_json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(summary, f, indent=1)
-            os.replace(tmp, FLAGS.summary_json)
-    return 0
+            cli.write_json(FLAGS.summary_json, summary)
+    return status
 
 
 if __name__ == "__main__":

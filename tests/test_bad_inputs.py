@@ -98,7 +98,7 @@ CLI_CASES = [  # (flags, phrase the one-line error must contain)
 
 @pytest.mark.parametrize("argv, phrase", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
 def test_cli_flag_errors(argv, phrase, paths):
-    with pytest.raises(cli._Fail) as info:
+    with pytest.raises(cli.UsageError) as info:
         _check_cli(argv, paths)
     message = str(info.value)
     assert phrase.replace("{tmp}", str(paths)) in message, message
