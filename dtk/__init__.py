@@ -28,6 +28,7 @@ _EXPORTS = {
     "describe_mesh": "dtk.mesh",
     "parse_mesh_spec": "dtk.mesh",
     "Batch": "dtk.input",
+    "ClientShard": "dtk.input",
     "DataSource": "dtk.input",
     "DistributedDataset": "dtk.input",
     "InputConfig": "dtk.input",
@@ -75,7 +76,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from dtk import models  # noqa: F401
     from dtk.checkpoint import Checkpointer, export, gather_weights, global_value  # noqa: F401
-    from dtk.input import Batch, DataSource, DistributedDataset, InputConfig, pack  # noqa: F401
+    from dtk.input import (Batch, ClientShard, DataSource, DistributedDataset,  # noqa: F401
+                           InputConfig, pack)
     from dtk.layouts import (LayoutTable, build_model, explain, load_table,  # noqa: F401
                              plan_layouts)
     from dtk.mesh import (BATCH_AXIS, MODEL_AXIS, MeshSpec, build_mesh,  # noqa: F401

@@ -158,7 +158,7 @@ def _leaf_names(tree: Any) -> list[str]:
 
 
 def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
-         stacked: bool = False) -> Any:
+         stacked: bool = False, local: bool = False) -> Any:
     """Packs global arrays into DTensors sharded on ``batch_axis`` along the batch dim.
 
     Args:
@@ -167,6 +167,8 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
         batch dim: dim 0, or dim 1 when ``stacked`` (``[n, B, ...]`` stacks of n batches).
       batch_axis: the mesh axis to shard the batch dim on; other axes hold copies.
       stacked: whether dim 0 is a stack of batches.
+      local: the arrays hold only THIS client's rows of the global batch (scale mode: the rows
+        of its batch-axis shards, in order), not the whole global batch.
 
     Returns:
       The same nest of DTensors.
@@ -179,6 +181,8 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
     names = _leaf_names(tree)
     dim = 1 if stacked else 0
     size = check_batch_axis(mesh, batch_axis)
+    if local:
+        size = len(_local_batch_indices(mesh, batch_axis))
     batch = None
     for name, leaf in zip(names, leaves):
         if leaf.ndim <= dim:
@@ -195,19 +199,28 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
                 f"{name}: dim {dim} ({leaf.shape[dim]}) is not divisible by mesh axis "
                 f"{batch_axis!r} (size {size}); use a global batch size that is a multiple of "
                 f"{size} or set remainder='pad'")
-    packed = [_pack_one(mesh, leaf, dim, batch_axis, size) for leaf in leaves]
+    packed = [_pack_one(mesh, leaf, dim, batch_axis, size, local) for leaf in leaves]
     return tf.nest.pack_sequence_as(tree, packed)
 
 
-def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int):
+def _local_batch_indices(mesh: dtensor.Mesh, batch_axis: str) -> list[int]:
+    """The batch-axis coordinates of this client's devices, in order."""
+    return sorted({loc[batch_axis] for loc in mesh.local_device_locations()})
+
+
+def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int, local: bool = False):
     layout = batch_layout(mesh, array.ndim - dim, batch_axis=batch_axis)
     if dim:
         layout = dtensor.Layout([dtensor.UNSHARDED, *layout.sharding_specs], mesh)
     per = array.shape[dim] // size
+    position = ({b: k for k, b in enumerate(_local_batch_indices(mesh, batch_axis))} if local
+                else None)
     shards = {}
     components = []
     for location in mesh.local_device_locations():
-        i = location[batch_axis] if size > 1 else 0
+        i = location[batch_axis] if mesh.dim_size(batch_axis) > 1 else 0
+        if position is not None:
+            i = position[i]
         if i not in shards:
             index = [slice(None)] * array.ndim
             index[dim] = slice(i * per, (i + 1) * per)
@@ -248,8 +261,34 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:7], "little")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientShard:
+    """Which part of the data this client reads in scale mode (like ``tf.distribute.InputContext``).
+
+    Attributes:
+      num_clients: clients in the run.
+      client_id: this client's id; read ``files[client_id::num_clients]``, or
+        ``dataset.shard(num_clients, client_id)`` BEFORE the expensive ``map``.
+    """
+
+    num_clients: int
+    client_id: int
+
+
 class DistributedDataset:
     """An unbatched dataset streamed as packed global batches on a mesh.
+
+    Two multi-client modes:
+
+    * parity (``DistributedDataset(dataset, mesh, config)``): every client reads the same global
+      stream and packs its own shards; N clients x K devices train exactly like one process of
+      N*K devices.
+    * scale (``DistributedDataset.from_function(fn, mesh, config)``): ``fn(ClientShard)`` returns
+      THIS client's part of the data (e.g. its share of the files); each client batches
+      ``global_batch_size / num_clients`` examples and packs them on its own devices. Each example
+      is read once in the whole cluster, but the order (and so the losses) differs from a
+      single-process run; every client must yield the same number of batches per epoch (checked
+      at construction), which ``steps_per_epoch`` guarantees.
 
     Args:
       dataset: unbatched ``tf.data.Dataset`` of ``(features, labels)`` or ``(features, labels,
@@ -271,7 +310,8 @@ class DistributedDataset:
         with ``remainder="error"``, or malformed elements.
     """
 
-    def __init__(self, dataset: tf.data.Dataset, mesh: dtensor.Mesh, config: InputConfig):
+    def __init__(self, dataset: tf.data.Dataset, mesh: dtensor.Mesh, config: InputConfig, *,
+                 _clients: int = 1):
         self.mesh, self.config = mesh, config
         size = check_batch_axis(mesh, config.batch_axis, what="InputConfig.batch_axis")
         if config.global_batch_size % size:
@@ -280,10 +320,12 @@ class DistributedDataset:
                 f"{config.batch_axis!r} (size {size}); use a multiple of {size}")
         cardinality = _check_dataset(dataset)
         self._dataset = dataset
+        self._local = _clients > 1
         self._has_weights = len(dataset.element_spec) == 3
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
-        spe, g = config.steps_per_epoch, config.global_batch_size
+        spe, g = config.steps_per_epoch, config.global_batch_size // _clients
         self._stream = None  # infinite datasets: (next batch index, iterator)
+        self._rows_per_batch = g  # this client's rows of a global batch (all of them: parity)
         if self.infinite:
             if spe is None:
                 raise ValueError(
@@ -314,6 +356,40 @@ class DistributedDataset:
             self.num_batches = spe
             self.num_dropped = cardinality - min(cardinality, spe * g)
 
+    @classmethod
+    def from_function(cls, dataset_fn, mesh: dtensor.Mesh, config: InputConfig
+                      ) -> "DistributedDataset":
+        """Scale mode: ``dataset_fn(ClientShard)`` gives this client's part of the data.
+
+        Raises:
+          ValueError: clients that share batch-axis coordinates (the mesh splits clients along
+            another axis, so they must read the same rows: use parity mode), a global batch not
+            divisible by the number of clients, or clients with different numbers of batches.
+        """
+        from dtk import cluster, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+        clients = cluster.num_clients()
+        shard = ClientShard(num_clients=clients, client_id=cluster.client_id())
+        if clients == 1:
+            return cls(dataset_fn(shard), mesh, config)
+        size = check_batch_axis(mesh, config.batch_axis, what="InputConfig.batch_axis")
+        mine = len(_local_batch_indices(mesh, config.batch_axis))
+        if mine * clients != size:
+            raise ValueError(
+                f"scale mode needs each client to hold its own rows of the batch, but this "
+                f"client's devices cover {mine} of the {size} coordinates of axis "
+                f"{config.batch_axis!r} with {clients} clients; put the batch axis first in the "
+                "mesh, or use parity mode (DistributedDataset(dataset, mesh, config))")
+        if config.global_batch_size % clients:
+            raise ValueError(f"global_batch_size ({config.global_batch_size}) is not divisible "
+                             f"by the {clients} clients")
+        data = cls(dataset_fn(shard), mesh, config, _clients=clients)
+        counts = mesh_lib.check_same_on_all_clients(mesh, float(data.num_batches),
+                                                    what="batches per epoch (scale mode)")
+        data.num_examples = int(data.num_examples * clients)
+        data.num_dropped = int(data.num_dropped * clients)
+        del counts
+        return data
+
     def _batched(self, dataset: tf.data.Dataset, seed_epoch: int) -> tf.data.Dataset:
         if self.config.shuffle:
             buffer = self.config.shuffle_buffer
@@ -321,7 +397,7 @@ class DistributedDataset:
                 buffer = max(1, min(buffer, self.num_examples))
             dataset = dataset.shuffle(buffer, seed=_epoch_seed(self.config.seed, seed_epoch),
                                       reshuffle_each_iteration=False)
-        dataset = dataset.batch(self.config.global_batch_size,
+        dataset = dataset.batch(self._rows_per_batch,
                                 drop_remainder=self.config.remainder == "drop")
         return dataset
 
@@ -362,7 +438,8 @@ class DistributedDataset:
         n = len(tf.nest.flatten(labels)[0])
         weights = (np.asarray(element[2], np.float32) if self._has_weights
                    else np.ones(n, np.float32))
-        axis = self.mesh.dim_size(self.config.batch_axis)
+        axis = (len(_local_batch_indices(self.mesh, self.config.batch_axis)) if self._local
+                else self.mesh.dim_size(self.config.batch_axis))
         padded = -(-n // axis) * axis
         if padded > n:
             pad = lambda a: np.concatenate(  # noqa: E731
@@ -380,11 +457,12 @@ class DistributedDataset:
             if not parts:
                 return
             if n == 1:
-                yield Batch(*pack(self.mesh, parts[0], batch_axis=self.config.batch_axis))
+                yield Batch(*pack(self.mesh, parts[0], batch_axis=self.config.batch_axis,
+                                  local=self._local))
             else:
                 stack = tf.nest.map_structure(lambda *a: np.stack(a), *parts)
                 yield Batch(*pack(self.mesh, stack, batch_axis=self.config.batch_axis,
-                                  stacked=True))
+                                  stacked=True, local=self._local))
 
     def epoch(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[Batch]:
         """One pass over the data, in the order of ``(seed, epoch)``.

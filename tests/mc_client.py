@@ -3,7 +3,7 @@
 Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after global step N
 (once, if MC_MARKER names a file that does not exist yet; it is created); MC_NEVER_START=1 makes
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
-MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
+MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
 after every step.
 """
@@ -30,8 +30,12 @@ mesh = dtk.build_mesh("batch=8", device_type="cpu")
 rng = np.random.default_rng(0)
 data = tf.data.Dataset.from_tensor_slices((rng.random((512, 28, 28, 1), dtype=np.float32),
                                            rng.integers(0, 10, 512).astype(np.int64)))
-train = input_lib.DistributedDataset(data, mesh, input_lib.InputConfig(
-    global_batch_size=64, shuffle=True, seed=1))
+config = input_lib.InputConfig(global_batch_size=64, shuffle=True, seed=1)
+if os.environ.get("MC_SCALE"):  # scale mode: each client reads its half of the examples
+    train = input_lib.DistributedDataset.from_function(
+        lambda shard: data.shard(shard.num_clients, shard.client_id), mesh, config)
+else:
+    train = input_lib.DistributedDataset(data, mesh, config)
 trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout="data_parallel",
                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
                       config=dtk.TrainerConfig(seed=int(os.environ.get("MC_SEED", "0")),

@@ -46,6 +46,18 @@ def test_two_clients_match_one_process(tmp_path, single_process):
     np.testing.assert_allclose(got["accuracy"], single_process["accuracy"], rtol=1e-6)
 
 
+def test_scale_mode_reads_each_example_once(tmp_path, single_process):
+    """Scale mode: each of 2 clients reads half the examples and batches 32 of the 64; it trains,
+    and (as documented) differs from the parity run's order."""
+    out = tmp_path / "losses.json"
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
+                     CLIENT, env=procs.base_env(MC_OUT=str(out), MC_SCALE="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert len(got["loss"]) == 3 and got["loss"][2] < got["loss"][0]
+    assert not np.allclose(got["loss"], single_process["loss"], rtol=1e-6)
+
+
 def test_killed_client_stops_the_group_fast():
     res, took = _launch("--num_clients", "2", "--", sys.executable, CLIENT,
                         env=procs.base_env(MC_KILL_AT="3"))
