@@ -324,7 +324,7 @@ class DistributedDataset:
         self._has_weights = len(dataset.element_spec) == 3
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
-        self._stream = None  # infinite datasets: (next batch index, iterator)
+        self._stream = None  # [next batch index, iterator] of the stream of all epochs
         self._rows_per_batch = g  # this client's rows of a global batch (all of them: parity)
         if self.infinite:
             if spe is None:
@@ -390,34 +390,42 @@ class DistributedDataset:
         del counts
         return data
 
-    def _batched(self, dataset: tf.data.Dataset, seed_epoch: int) -> tf.data.Dataset:
+    def _stream_dataset(self) -> tf.data.Dataset:
+        """All epochs as ONE stream of global batches: epoch e is batches e*N .. (e+1)*N - 1.
+
+        One continuing iterator, not one per epoch: with a global seed set (as ``build_model``
+        sets it), every new iterator over a pipeline replays the same random numbers, so the
+        user's augmentation would repeat each epoch; a continuing stream draws new ones. A finite
+        dataset is re-read each epoch (``repeat`` after ``take``, so epochs never straddle), and
+        reshuffled each epoch in an order fixed by the seed.
+        """
+        dataset = self._dataset
         if self.config.shuffle:
             buffer = self.config.shuffle_buffer
             if not self.infinite:
                 buffer = max(1, min(buffer, self.num_examples))
-            dataset = dataset.shuffle(buffer, seed=_epoch_seed(self.config.seed, seed_epoch),
-                                      reshuffle_each_iteration=False)
+            dataset = dataset.shuffle(buffer, seed=_epoch_seed(self.config.seed, 0),
+                                      reshuffle_each_iteration=True)
         dataset = dataset.batch(self._rows_per_batch,
                                 drop_remainder=self.config.remainder == "drop")
+        if not self.infinite:
+            dataset = dataset.take(self.num_batches).repeat()
         return dataset
 
     def _batches(self, epoch: int, skip_batches: int) -> Iterator[tuple]:
-        """This epoch's global batches as numpy ``(features, labels, weights)``, padded."""
-        if not self.infinite:
-            dataset = self._batched(self._dataset, epoch).skip(skip_batches)
-            dataset = dataset.take(self.num_batches - skip_batches)
-            iterator = iter(dataset.prefetch(tf.data.AUTOTUNE).as_numpy_iterator())
-            count = self.num_batches - skip_batches
-        else:  # one continuing stream: epoch e is batches e*N .. (e+1)*N - 1
-            start = epoch * self.num_batches + skip_batches
-            if self._stream is None or self._stream[0] != start:
-                dataset = self._batched(self._dataset, 0).skip(start).prefetch(tf.data.AUTOTUNE)
-                self._stream = [start, iter(dataset.as_numpy_iterator())]
-            iterator, count = self._stream[1], self.num_batches - skip_batches
-        for _ in range(count):
-            element = next(iterator)
-            if self._stream is not None and self.infinite:
-                self._stream[0] += 1
+        """This epoch's global batches as numpy ``(features, labels, weights)``, padded.
+
+        Continues the stream when the epoch starts where the last one stopped; otherwise (a
+        resume, a repeated epoch) restarts it and skips to the position (those batches are read,
+        not packed or trained).
+        """
+        start = epoch * self.num_batches + skip_batches
+        if self._stream is None or self._stream[0] != start:
+            dataset = self._stream_dataset().skip(start).prefetch(tf.data.AUTOTUNE)
+            self._stream = [start, iter(dataset.as_numpy_iterator())]
+        for _ in range(self.num_batches - skip_batches):
+            element = next(self._stream[1])
+            self._stream[0] += 1
             yield self._pad(element)
 
     def _check_labels(self, labels) -> None:

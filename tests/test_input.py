@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
@@ -285,6 +286,9 @@ def test_nothing_is_materialized():
 
 
 def test_augmentation_in_the_pipeline_runs_every_epoch():
+    """Even with a global seed set (which makes every new iterator replay the same random
+    numbers), each epoch gets new augmentation: dtk reads all epochs as one stream."""
+    tf_keras.utils.set_random_seed(0)
     augmented = _dataset(32).map(lambda x, y: (x + tf.random.uniform([4]), y))
     data = input_lib.DistributedDataset(augmented, dtk.build_mesh("batch=8"),
                                         input_lib.InputConfig(global_batch_size=16))
