@@ -433,6 +433,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # The plain build draws its initial values with the user's RNG mode, so they equal a
     # single-device `set_random_seed(seed); model_factory()` in this process exactly.
     tf_keras.utils.set_random_seed(seed)
+    names = _layer_name_counters()
     reference = _plain_model(model_factory, input_shape, mesh, dtype=input_dtype)
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
                        allow_replicated=allow_replicated)
@@ -445,6 +446,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # this build only and the process keeps the user's.
     user_rng = tf_keras.backend.experimental.is_tf_random_generator_enabled()
     tf_keras.backend.experimental.enable_tf_random_generator()
+    names.restore()  # unnamed layers get the same names (dense_3 ...) as in the plain build
     try:
         with layout_map.scope():
             model = model_factory()
@@ -472,6 +474,26 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+class _layer_name_counters:  # pylint: disable=invalid-name
+    """Keras' per-graph counters behind automatic layer names (``dense``, ``dense_1`` ...).
+
+    The plan is keyed on weight paths, which hold layer names; a factory called twice would give
+    its unnamed layers new names the second time, and the plan would match none of them. dtk
+    snapshots the counters before the plain build and restores them before the laid-out one.
+    """
+
+    def __init__(self):
+        from tf_keras.src import backend as keras_backend  # pylint: disable=g-import-not-at-top
+        keras_backend.get_default_graph_uid_map()  # make sure the default graph has its map
+        self._uids = keras_backend.PER_GRAPH_OBJECT_NAME_UIDS
+        self._saved = {graph: dict(counts) for graph, counts in self._uids.items()}
+
+    def restore(self) -> None:
+        for graph, counts in self._uids.items():
+            counts.clear()
+            counts.update(self._saved.get(graph, {}))
 
 
 def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, input_shape,

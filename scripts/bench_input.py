@@ -3,6 +3,7 @@ first-batch latency, and peak memory for a small and a large dataset on disk.
 
     python scripts/bench_input.py --mesh batch=8                 # 20 MB vs 2 GB of TFRecords
     python scripts/bench_input.py --mesh batch=8 --large_mb 200  # quicker
+    python scripts/bench_input.py --multi_client                 # 2 clients x 4: parity vs scale
 
 The pipeline is what users write: ``TFRecordDataset`` over shard files, ``parse_single_example``,
 normalization, and a random shift of up to 2 pixels (augmentation, new every epoch), then
@@ -33,6 +34,10 @@ _SMALL_MB = flags.DEFINE_integer("small_mb", 20, "Size of the small dataset on d
 _LARGE_MB = flags.DEFINE_integer("large_mb", 2048, "Size of the large dataset on disk.")
 _WORK_DIR = flags.DEFINE_string("work_dir", None, "Where to write the TFRecords (default: temp).")
 _CHILD = flags.DEFINE_string("child", None, "Internal: measure RSS on this directory.")
+_MULTI = flags.DEFINE_bool("multi_client", False, "Time the stream on 2 clients x 4 devices in "
+                           "both multi-client modes (parity, scale) instead.")
+_CLIENT_MODE = flags.DEFINE_enum("client_mode", None, ["parity", "scale"],
+                                 "Internal: run as one client of a dtk.launch group.")
 
 IMAGE_BYTES = 28 * 28
 
@@ -58,10 +63,15 @@ def write_tfrecords(directory: str, megabytes: int, *, shards: int = 8) -> int:
     return n
 
 
-def pipeline(directory: str):
-    """TFRecord shards -> parse -> normalize -> random shift: unbatched (image, label)."""
+def pipeline(directory: str, shard=None):
+    """TFRecord shards -> parse -> normalize -> random shift: unbatched (image, label).
+
+    With a ``dtk.ClientShard`` (scale mode) only that client's files are read.
+    """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     files = sorted(tf.io.gfile.glob(os.path.join(directory, "*.tfrecord")))
+    if shard is not None:
+        files = files[shard.client_id::shard.num_clients]
     spec = {"image": tf.io.FixedLenFeature([], tf.string),
             "label": tf.io.FixedLenFeature([], tf.int64)}
 
@@ -111,11 +121,56 @@ def child(directory: str) -> None:
                       "first_batch_s": first_s}))
 
 
+def client(directory: str, mode: str) -> None:
+    """One client of a 2-client group: ms/step of the streamed loop (client 0 prints JSON)."""
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    mesh = dtk.build_mesh(_MESH.value)
+    trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, optimizer="adam",
+                          config=dtk.TrainerConfig(verbose=0))
+    config = input_lib.InputConfig(global_batch_size=_BATCH.value, shuffle=True,
+                                   steps_per_epoch=_STEPS.value)
+    if mode == "scale":
+        data = input_lib.DistributedDataset.from_function(
+            lambda shard: pipeline(directory, shard).repeat(), mesh, config)
+    else:
+        data = input_lib.DistributedDataset(pipeline(directory).repeat(), mesh, config)
+    _loop(trainer.steps, data.epoch(0))
+    ms = statistics.median(_loop(trainer.steps, data.epoch(e)) for e in (1, 2, 3))
+    if dtk.cluster.is_lead_client():
+        print(json.dumps({"mode": mode, "ms_per_step": ms}), flush=True)
+
+
+def multi_client(work: str) -> None:
+    for mode in ("parity", "scale"):
+        res = subprocess.run(
+            [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+             "--", sys.executable, os.path.abspath(__file__), f"--client_mode={mode}",
+             f"--work_dir={work}", f"--mesh={_MESH.value}", f"--steps={_STEPS.value}",
+             f"--global_batch_size={_BATCH.value}"], capture_output=True, text=True, timeout=900)
+        lines = [line.split("] ", 1)[1] for line in res.stdout.splitlines()
+                 if line.startswith("[client 0] {")]
+        if res.returncode or not lines:
+            raise SystemExit(res.stdout[-2000:] + res.stderr[-2000:])
+        result = json.loads(lines[-1])
+        print(f"  2 clients x 4, {mode:6} mode: {result['ms_per_step']:7.2f} ms/step "
+              f"(streamed, {_STEPS.value} steps, median of 3 epochs)", flush=True)
+
+
 def main(argv):
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if _CHILD.value:
         child(_CHILD.value)
+        return
+    if _CLIENT_MODE.value:
+        client(os.path.join(_WORK_DIR.value, "small"), _CLIENT_MODE.value)
+        return
+    if _MULTI.value:
+        work = _WORK_DIR.value or tempfile.mkdtemp(prefix="dtk-bench-input-")
+        if not os.path.isdir(os.path.join(work, "small")):
+            write_tfrecords(os.path.join(work, "small"), _SMALL_MB.value)
+        multi_client(work)
         return
     work = _WORK_DIR.value or tempfile.mkdtemp(prefix="dtk-bench-input-")
     sizes = {"small": _SMALL_MB.value, "large": _LARGE_MB.value}
