@@ -4,6 +4,7 @@ faults are found before the first step, and a failed save leaves no partial file
 import contextlib
 import glob
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -24,11 +25,18 @@ def uninterrupted():
     return history.history, [w.copy() for w in ckpt_lib.gather_weights(trainer.model)]
 
 
-def _stopped_run(directory):
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """The checkpoints of one run stopped at step 15 (of 18); each test damages a copy."""
+    directory = tmp_path_factory.mktemp("stopped")
     trainer = _trainer(checkpoint_dir=str(directory), max_steps=STOP_AT)
     trainer.fit(_data(trainer.mesh), epochs=EPOCHS)
     assert trainer.global_step == STOP_AT
-    return trainer
+    return directory
+
+
+def _stopped_run(directory, stopped):
+    shutil.copytree(stopped, directory, dirs_exist_ok=True)
 
 
 def _truncate(path):
@@ -65,8 +73,9 @@ RESUMES_AT = {"state file garbage": STOP_AT, "state file empty": STOP_AT,
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage, uninterrupted, caplog):
-    _stopped_run(tmp_path)
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage, uninterrupted, caplog,
+                                                            stopped_run):
+    _stopped_run(tmp_path, stopped_run)
     DAMAGE[damage](tmp_path)
     trainer = _trainer(checkpoint_dir=str(tmp_path))
     with caplog.at_level("WARNING", logger="dtk"):
@@ -81,8 +90,8 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage, uni
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
 
 
-def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
-    _stopped_run(tmp_path)
+def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, stopped_run):
+    _stopped_run(tmp_path, stopped_run)
     for index in glob.glob(str(tmp_path / "*.index")):
         _truncate(index)
     before = sorted(os.listdir(tmp_path))
