@@ -46,7 +46,8 @@ flags.DEFINE_float("device_memory_gb", None, "Per-device memory budget for weigh
                    "state, checked before any variable exists.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0: greedy).")
+flags.DEFINE_float("temperature", 0.7, "Sampling temperature (0: greedy, which repeats itself "
+                   "on a small model).")
 flags.DEFINE_string("summary_json", None, "Write a JSON summary here.")
 flags.DEFINE_bool("explain_layouts", False, "Print where every weight lives and exit.")
 
