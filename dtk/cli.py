@@ -53,3 +53,23 @@ def write_json(path: str, value: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
     os.replace(tmp, path)
+
+
+def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
+         summary_json: str | None) -> int:
+    """The ``main`` of a training script: checks argv, sets up output, runs, writes the summary.
+
+    ``run`` returns the summary (a dict, empty when there is nothing to write); only the lead
+    client writes it.
+    """
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}; all options are --flags (see --helpfull)",
+              file=sys.stderr)
+        return 2
+    setup_output(verbose=verbose)
+    status, summary = run_reporting_errors(run)
+    if status == 0 and summary_json and summary:
+        from dtk import cluster  # pylint: disable=g-import-not-at-top
+        if cluster.is_lead_client():
+            write_json(summary_json, summary)
+    return status

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import time
 
 from absl import app, flags
@@ -256,18 +255,9 @@ def run() -> dict:
 
 
 def main(argv):
-    if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}; all options are --flags (see --helpfull)",
-              file=sys.stderr)
-        return 2
     from dtk import cli  # pylint: disable=g-import-not-at-top
-    cli.setup_output(verbose=FLAGS["verbosity"].present)
-    status, summary = cli.run_reporting_errors(run)
-    if status == 0 and FLAGS.summary_json and summary:
-        import dtk  # pylint: disable=g-import-not-at-top
-        if dtk.cluster.is_lead_client():
-            cli.write_json(FLAGS.summary_json, summary)
-    return status
+    return cli.main(argv, run, verbose=FLAGS["verbosity"].present,
+                    summary_json=FLAGS.summary_json)
 
 
 if __name__ == "__main__":
