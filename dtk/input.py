@@ -20,9 +20,11 @@ The data is streamed, never materialized: the user's ``tf.data`` pipeline (its `
 augmentation, which therefore runs anew every epoch) is batched into global batches by ``tf.data``,
 and a background thread packs them ``prefetch`` items ahead of the step. Host memory is bounded by
 the prefetch depth (plus the shuffle buffer), whatever the dataset's size. With ``shuffle=True`` dtk
-adds a ``tf.data`` shuffle seeded by ``(seed, epoch)``, so the order is the same on every client and
-every mesh shape and the same again after a resume. Resuming mid-epoch skips the batches already
-trained (``Dataset.skip``: they are read again but not packed or trained).
+adds a ``tf.data`` shuffle, reshuffled every epoch in an order fixed by ``seed``, so the order is
+the same on every client and every mesh shape and the same again after a resume. All epochs are
+one continuing stream (with a global seed set, a NEW iterator would replay the same random
+numbers, so augmentation would repeat every epoch); resuming restarts the stream and skips to the
+saved position (the skipped batches are read again, not packed or trained).
 
 Multi-client (parity mode): every client reads the same global stream in the same order and packs
 only its own devices' shards, so N clients x K devices train exactly like one process with N*K
@@ -74,7 +76,7 @@ class InputConfig:
     Attributes:
       global_batch_size: examples per step over the whole mesh (a multiple of the batch axis size).
       remainder: ``drop``, ``pad`` or ``error`` (see the module docstring).
-      shuffle: reshuffle every epoch with a ``tf.data`` shuffle seeded by ``(seed, epoch)``.
+      shuffle: reshuffle every epoch with a ``tf.data`` shuffle (order fixed by ``seed``).
       seed: shuffle seed.
       shuffle_buffer: examples in the shuffle buffer (the whole dataset when it is smaller).
       steps_per_call: batches stacked into one item, for ``steps_per_execution``.
@@ -473,7 +475,7 @@ class DistributedDataset:
                                   stacked=True, local=self._local))
 
     def epoch(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[Batch]:
-        """One pass over the data, in the order of ``(seed, epoch)``.
+        """One epoch of the stream: the same batches for the same ``(seed, epoch)``.
 
         Args:
           epoch: the epoch number (picks the shuffle order; for an infinite dataset, the part of
