@@ -54,7 +54,7 @@ _EXPORTS = {
     "ModelSpec": "dtk.models",
 }
 _SUBMODULES = ("checkpoint", "cluster", "input", "launch", "layouts", "mesh", "mnist", "models",
-               "optimizers", "ray_backend", "steps", "trainer")
+               "optimizers", "steps", "trainer")
 
 __all__ = ["__version__", *sorted(_EXPORTS), "models"]
 

@@ -156,7 +156,7 @@ def configure_virtual_cpus(n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ValueError(f"virtual_devices must be a positive integer; got {n!r}")
     if is_tensorflow_initialized():
-        have = len(tf.config.list_logical_devices("CPU"))
+        have = local_device_count("CPU")
         if have == n:
             return
         raise ValueError(

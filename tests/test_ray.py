@@ -1,6 +1,7 @@
-"""The Ray backend: 2 actors, each one DTensor client, reproduce the single-process losses."""
+"""dtk on Ray: the DTensor backend's addresses, 2 Ray Train workers = 1 process, restart after a kill."""
 
 import json
+import os
 import textwrap
 
 import numpy as np
@@ -8,11 +9,13 @@ import pytest
 
 from tests import procs
 
-pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk[ray]'")
+dtk_ray = pytest.importorskip("dtk.ray")
 
+# One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""
-    def train():
+    def train(checkpoint_dir=None, kill_at_step=None, marker=None, report=False):
+        import json, os, signal, time
         import numpy as np, tensorflow as tf, dtk
         from dtk import input as input_lib
         mesh = dtk.build_mesh("batch=8", device_type="cpu")
@@ -21,54 +24,178 @@ TRAIN = textwrap.dedent("""
             (rng.random((256, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 256).astype(np.int64)))
         train_data = input_lib.DistributedDataset(data, mesh, input_lib.InputConfig(
             global_batch_size=64, shuffle=True, seed=1))
+        on_epoch_end, on_step_end = [], []
+        if report:
+            import dtk.ray
+            dtk.ray.restore_from_ray(checkpoint_dir)
+            on_epoch_end.append(dtk.ray.ReportCallback(checkpoint_dir))
+        if kill_at_step is not None and dtk.cluster.client_id() == 1 and not os.path.exists(marker):
+            def kill(step):
+                if step >= kill_at_step:
+                    open(marker, "w").close()
+                    time.sleep(4)  # Ray registers a report at its next health check (every 2 s)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            on_step_end.append(kill)
         trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp,
                               optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
-                              config=dtk.TrainerConfig(seed=0, verbose=0))
-        return trainer.fit(train_data, epochs=2).history["loss"]
+                              config=dtk.TrainerConfig(seed=0, verbose=0, checkpoint_dir=checkpoint_dir))
+        return trainer.fit(train_data, epochs=3, on_epoch_end=on_epoch_end,
+                           on_step_end=on_step_end).history["loss"]
+""")
+
+DRIVER = TRAIN + textwrap.dedent("""
+    import json, os, sys
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    import dtk.ray
+    out = sys.argv[1]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+
+    def loop(config):
+        # A restarted group gets a fresh directory, so the run can only resume from Ray's checkpoint.
+        restarted = ray.train.get_checkpoint() is not None
+        losses = train(checkpoint_dir=config["ckpt"] + ("-restarted" if restarted else ""), kill_at_step=config.get("kill"),
+                       marker=os.path.join(config["out"], "killed"), report=True)
+        if dtk.cluster.client_id() == 0:
+            with open(os.path.join(config["out"], config["name"] + ".json"), "w") as f:
+                json.dump(losses, f)
+
+    results = {}
+    for name, kill in (("plain", None), ("killed", 6)):
+        result = dtk.ray.DTensorTrainer(
+            loop, train_loop_config={"ckpt": os.path.join(out, name + "-ckpt"), "out": out,
+                                     "name": name, "kill": kill},
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=name, storage_path=os.path.join(out, "ray"),
+                                 failure_config=FailureConfig(max_failures=1)),
+            devices_per_worker=4, heartbeat_timeout_s=10).fit()
+        results[name] = {"epoch": result.metrics.get("epoch"), "error": repr(result.error),
+                         "checkpoint": bool(result.checkpoint)}
+    print("RESULTS", json.dumps(results))
+    ray.shutdown()
 """)
 
 
-def test_two_ray_actors_match_one_process():
-    single = procs.run_python(TRAIN + "import json; print('LOSSES', json.dumps(train()))",
-                              timeout=180)
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory):
+    """The single-process losses, and two DTensorTrainer runs (plain, and with client 1 killed)."""
+    out = tmp_path_factory.mktemp("ray")
+    single = procs.run_python(TRAIN + "import json; print('LOSSES', json.dumps(train()))", timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
-    want = json.loads(single.stdout.split("LOSSES")[1])
-    code = TRAIN + textwrap.dedent("""
-        import json, ray
-        from dtk import ray_backend
-        try:
-            results = ray_backend.run(train, num_clients=2, timeout_s=240)
-        finally:
-            ray.shutdown()
-        print("LOSSES", json.dumps(results))
-    """)
-    res = procs.run_python(code, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads(res.stdout.split("LOSSES")[1])
-    assert len(got) == 2
-    for losses in got:
-        np.testing.assert_allclose(losses, want, rtol=1e-6)
+    res = procs.run_python(DRIVER, args=(str(out),), timeout=420,
+                           env=procs.base_env(RAY_TRAIN_V2_ENABLED="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return {"single": json.loads(single.stdout.split("LOSSES")[1]), "out": out,
+            "results": json.loads(res.stdout.split("RESULTS")[1])}
 
 
-def test_dead_actor_fails_the_run_fast():
-    code = TRAIN + textwrap.dedent("""
-        import os, signal, time, ray
-        from dtk import ray_backend
-        def dies():
-            if os.environ["DTENSOR_CLIENT_ID"] == "1":
-                time.sleep(2)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return train()
-        start = time.monotonic()
-        try:
-            ray_backend.run(dies, num_clients=2, timeout_s=120)
-        except ray_backend.ClientFailedError as e:
-            print("FAILED", e.client, round(time.monotonic() - start, 1))
-        finally:
-            ray.shutdown()
-    """)
-    res = procs.run_python(code, timeout=240)
+@pytest.mark.slow
+def test_two_ray_train_workers_match_one_process(ray_runs):
+    got = json.loads((ray_runs["out"] / "plain.json").read_text())
+    np.testing.assert_allclose(got, ray_runs["single"], rtol=1e-6)
+    assert ray_runs["results"]["plain"] == {"epoch": 3, "error": "None", "checkpoint": True}
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_from_rays_checkpoint(ray_runs):
+    out = ray_runs["out"]
+    assert (out / "killed").exists(), "client 1 was never killed"
+    got = json.loads((out / "killed.json").read_text())
+    np.testing.assert_allclose(got, ray_runs["single"], rtol=1e-6)
+    assert ray_runs["results"]["killed"] == {"epoch": 3, "error": "None", "checkpoint": True}
+    assert (out / "killed-ckpt-restarted").is_dir(), "the group did not restart"
+
+
+
+# -- the backend's environment, without a cluster --------------------------------------------------
+def _address(host, port, gpus=0, tf_initialized=False):
+    return {"host": host, "port": port, "pid": 1, "gpus": gpus, "tf_initialized": tf_initialized}
+
+
+def test_each_worker_gets_its_own_nodes_address_in_rank_order():
+    envs = dtk_ray.worker_envs([_address("127.0.0.1", 5000), _address("127.0.0.2", 5001)],
+                               dtk_ray.DTensorConfig(devices_per_worker=4, heartbeat_timeout_s=7))
+    assert [e["DTENSOR_JOBS"] for e in envs] == ["127.0.0.1:5000,127.0.0.2:5001"] * 2
+    assert [e["DTENSOR_CLIENT_ID"] for e in envs] == ["0", "1"]
+    assert all(e["DTK_VIRTUAL_DEVICES"] == "4" and e["DTK_HEARTBEAT_TIMEOUT_S"] == "7" for e in envs)
+    assert "DTENSOR_GPU_USE_NCCL_COMMUNICATION" not in envs[0]
+
+
+def test_gpu_workers_use_nccl_and_no_virtual_devices(monkeypatch):
+    monkeypatch.delenv("DTENSOR_GPU_USE_NCCL_COMMUNICATION", raising=False)
+    envs = dtk_ray.worker_envs([_address("10.0.0.1", 5000, gpus=1), _address("10.0.0.2", 5000, gpus=1)],
+                               dtk_ray.DTensorConfig(devices_per_worker=4))
+    assert all(e["DTENSOR_GPU_USE_NCCL_COMMUNICATION"] == "1" for e in envs)
+    assert not any("DTK_VIRTUAL_DEVICES" in e for e in envs)
+    assert envs[1]["DTENSOR_JOBS"] == "10.0.0.1:5000,10.0.0.2:5000"
+
+
+@pytest.mark.parametrize("addresses, match", [
+    ([_address("127.0.0.1", 5000), _address("127.0.0.1", 5001, tf_initialized=True)],
+     "worker 1 .* already initialized TensorFlow"),
+    ([_address("127.0.0.1", 5000), _address("127.0.0.1", 5000)], "same address"),
+])
+def test_backend_refuses_bad_workers(addresses, match):
+    with pytest.raises(RuntimeError, match=match):
+        dtk_ray.worker_envs(addresses, dtk_ray.DTensorConfig())
+
+
+def test_backend_sets_every_workers_environment(monkeypatch):
+    """on_start with a fake worker group: addresses gathered once, one environment per rank."""
+    calls = []
+
+    class Group:
+        def execute(self, fn):
+            assert fn is dtk_ray._reserve_address  # pylint: disable=protected-access
+            return [_address("127.0.0.1", 5000), _address("127.0.0.2", 5001)]
+
+        def execute_single_async(self, rank, fn, env):
+            calls.append((rank, env["DTENSOR_CLIENT_ID"], env["DTENSOR_JOBS"]))
+            return rank
+
+    monkeypatch.setattr(dtk_ray.ray, "get", lambda refs: refs)
+    dtk_ray._DTensorBackend().on_start(Group(), dtk_ray.DTensorConfig())  # pylint: disable=protected-access
+    assert calls == [(0, "0", "127.0.0.1:5000,127.0.0.2:5001"), (1, "1", "127.0.0.1:5000,127.0.0.2:5001")]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"devices_per_worker": 0}, "devices_per_worker must be a positive integer"),
+    ({"start_timeout_s": 0}, "start_timeout_s must be positive"),
+])
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dtk_ray.DTensorConfig(**kwargs)
+
+
+def test_ray_checkpoint_staging_holds_the_latest_only(tmp_path):
+    for step in (4, 8):
+        for suffix in (".index", ".data-00000-of-00001"):
+            (tmp_path / f"ckpt-{step}{suffix}").write_text("x")
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "ckpt-8"\n'
+                                         'all_model_checkpoint_paths: "ckpt-4"\n'
+                                         'all_model_checkpoint_paths: "ckpt-8"\n')
+    stage = dtk_ray._stage_latest(str(tmp_path))  # pylint: disable=protected-access
+    assert sorted(os.listdir(stage)) == ["checkpoint", "ckpt-8.data-00000-of-00001", "ckpt-8.index"]
+    assert dtk_ray._latest_step(stage) == 8  # pylint: disable=protected-access
+
+
+@pytest.mark.slow
+def test_tune_search_over_two_worker_trials(tmp_path):
+    """2 trials x 2 Ray Train workers under ASHA: every epoch reported, no placement group left."""
+    summary = tmp_path / "tune.json"
+    res = procs.run_python(
+        "import runpy, sys; sys.argv = ['tune_mnist.py', *sys.argv[1:]]; "
+        "runpy.run_path('scripts/tune_mnist.py', run_name='__main__')",
+        args=("--trials", "2", "--epochs", "2", "--workers", "2", "--mesh", "batch=8",
+              "--dataset", "sample", "--validation_examples", "500",
+              "--storage_path", str(tmp_path / "ray"), "--summary_json", str(summary)),
+        timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    client, took = res.stdout.split("FAILED")[1].split()[:2]
-    assert client == "1"
-    assert float(took) < 60
+    result = json.loads(summary.read_text())
+    trials = result["trials"]
+    assert len(trials) == 2 and not any(t["error"] for t in trials), trials
+    # ASHA (grace period 1) stops one trial after epoch 1 at the latest; each report is an epoch.
+    assert sorted(t["epochs"] for t in trials) in ([1, 2], [2, 2]), trials
+    assert all(t["reports"] == t["epochs"] for t in trials), trials
+    assert result["placement_groups_left"] == 0
+    assert 0.5 < result["best"]["test_accuracy"] <= 1.0
