@@ -39,6 +39,7 @@ Infinite datasets (``.repeat()``) need ``InputConfig(steps_per_epoch=N)``: epoch
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import queue
@@ -326,7 +327,8 @@ class DistributedDataset:
         self._has_weights = len(dataset.element_spec) == 3
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
-        self._stream = None  # [next batch index, iterator] of the stream of all epochs
+        # Where the stream of all epochs stands; shared with re-stacked views.
+        self._shared = _Stream()
         self._rows_per_batch = g  # this client's rows of a global batch (all of them: parity)
         if self.infinite:
             if spe is None:
@@ -392,6 +394,19 @@ class DistributedDataset:
         del counts
         return data
 
+    def with_steps_per_call(self, n: int) -> "DistributedDataset":
+        """The same data stacked ``n`` batches per item (``Trainer``'s automatic steps per call).
+
+        The view shares this dataset's stream: epochs read through either continue one another.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"steps_per_call must be a positive integer; got {n!r}")
+        if n == self.config.steps_per_call:
+            return self
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, steps_per_call=n)
+        return view
+
     def _stream_dataset(self) -> tf.data.Dataset:
         """All epochs as ONE stream of global batches: epoch e is batches e*N .. (e+1)*N - 1.
 
@@ -422,12 +437,13 @@ class DistributedDataset:
         not packed or trained).
         """
         start = epoch * self.num_batches + skip_batches
-        if self._stream is None or self._stream[0] != start:
+        stream = self._shared
+        if stream.iterator is None or stream.position != start:
             dataset = self._stream_dataset().skip(start).prefetch(tf.data.AUTOTUNE)
-            self._stream = [start, iter(dataset.as_numpy_iterator())]
+            stream.position, stream.iterator = start, iter(dataset.as_numpy_iterator())
         for _ in range(self.num_batches - skip_batches):
-            element = next(self._stream[1])
-            self._stream[0] += 1
+            element = next(stream.iterator)
+            stream.position += 1
             yield self._pad(element)
 
     def _check_labels(self, labels) -> None:
@@ -497,6 +513,14 @@ class DistributedDataset:
         return self.epoch(0)
 
 
+class _Stream:
+    """Where the stream of all epochs stands: the next batch index and its iterator."""
+
+    def __init__(self):
+        self.position = 0
+        self.iterator = None
+
+
 _DONE = object()
 
 
@@ -535,3 +559,5 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
             yield item
     finally:
         stop.set()
+        # The producer may be reading the shared stream: let it finish before anyone reads on.
+        thread.join(timeout=120)

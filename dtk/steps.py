@@ -45,21 +45,27 @@ class StepConfig:
     Attributes:
       jit_compile: compile with XLA (works on CPU under DTensor; no speed-up measured there).
       steps_per_execution: batches per compiled call; the input must then be stacked ``[n, B, ...]``.
-      shard_optimizer_state: ZeRO-style weight update. Replicated weights make every device run
-        the whole optimizer update and hold all of its state. With this option the optimizer
-        state and the update are sharded over ``batch_axis`` (each device updates its slice of
-        each weight, on the first dim not already sharded that the axis size divides), then the
-        weights are all-gathered. Same numbers (parity-tested); optimizer memory per device drops
-        by the batch axis size.
+      shard_optimizer_state: ZeRO-style weight update: True, False or ``"auto"`` (the default).
+        Replicated weights make every device run the whole optimizer update and hold all of its
+        state. With this option the optimizer state and the update are sharded over
+        ``batch_axis`` (each device updates its slice of each weight, on the first dim not
+        already sharded that the axis size divides), then the weights are all-gathered. Same
+        numbers (parity-tested); optimizer memory per device drops by the batch axis size.
+        ``"auto"`` turns it on when the batch axis has more than one device and at least one
+        weight can be sharded on it (see ``auto_shard_optimizer_state``): measured faster on
+        every workload of ``scripts/bench.py`` (BUILD.md), and a memory saving besides.
       batch_axis: the data-parallel mesh axis.
     """
 
     jit_compile: bool = False
     steps_per_execution: int = 1
-    shard_optimizer_state: bool = False
+    shard_optimizer_state: bool | str = "auto"
     batch_axis: str = BATCH_AXIS
 
     def __post_init__(self):
+        if self.shard_optimizer_state not in (True, False, "auto"):
+            raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
+                             f"{self.shard_optimizer_state!r}")
         if not isinstance(self.steps_per_execution, int) or self.steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got "
                              f"{self.steps_per_execution!r}")
@@ -84,7 +90,22 @@ def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layo
     return dtensor.Layout(specs, mesh)
 
 
-def _function(fn: Callable, *, jit_compile: bool) -> Callable:
+def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -> bool:
+    """The ``shard_optimizer_state="auto"`` rule: shard when it shards something.
+
+    On when ``batch_axis`` has more than one device and at least one weight has a dim that the
+    sharded update can split over it (``update_layout`` differs from the weight's layout); off on
+    ``batch=1`` meshes and for models whose weights are all too small or already sharded there.
+    Measured (BUILD.md, "Benchmarks"): faster than the replicated update on the MLP, the heavy
+    MLP and the language model, with optimizer memory per device divided by the axis size.
+    """
+    if batch_axis not in mesh.dim_names or mesh.dim_size(batch_axis) < 2:
+        return False
+    return any(update_layout(v, mesh, batch_axis).sharding_specs
+               != dtensor.fetch_layout(v).sharding_specs for v in variables)
+
+
+def _function(fn: Callable, *, jit_compile: bool, reduce_retracing: bool = False) -> Callable:
     """``tf.function`` of dtk's step code: no AutoGraph for it, AutoGraph for the user code it calls.
 
     See ``_user_code_autograph``.
@@ -93,7 +114,8 @@ def _function(fn: Callable, *, jit_compile: bool) -> Callable:
     def traced(*args):
         with _user_code_autograph():
             return fn(*args)
-    return tf.function(traced, jit_compile=jit_compile, autograph=False)
+    return tf.function(traced, jit_compile=jit_compile, autograph=False,
+                       reduce_retracing=reduce_retracing)
 
 
 def _user_code_autograph():
@@ -136,7 +158,11 @@ class Steps:
         check_batch_axis(mesh, config.batch_axis, what="StepConfig.batch_axis")
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
         self._masters = None
-        if config.shard_optimizer_state:
+        shard = config.shard_optimizer_state
+        if shard == "auto":
+            shard = auto_shard_optimizer_state(model.trainable_variables, mesh, config.batch_axis)
+        self.shard_optimizer_state = shard
+        if shard:
             variables = model.trainable_variables
             self._model_layouts = [dtensor.fetch_layout(v) for v in variables]
             self._master_layouts = [update_layout(v, mesh, config.batch_axis) for v in variables]
@@ -148,7 +174,8 @@ class Steps:
         # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
         self.optimizer.build(self._masters or [getattr(v, "_variable", v)
                                                for v in model.trainable_variables])
-        self._train = self._compile(self._train_body, "train", stacked=config.steps_per_execution > 1)
+        self._train_one = self._compile(self._train_body, "train", stacked=False)
+        self._train_many = self._compile(self._train_body, "train", stacked=True)
         self._evaluate = self._compile(self._eval_body, "evaluate", stacked=False)
         self._predict = _function(self._predict_body, jit_compile=config.jit_compile)
 
@@ -238,12 +265,19 @@ class Steps:
                                     (tf.zeros_like(n), _scalar_zero(mesh)))
             return loss
 
+        # One trace per stack length (reduce_retracing's generalized trace of this while loop
+        # failed under DTensor now and then: "Cannot add function 'while8_body'").
         return _function(many if stacked else one, jit_compile=self.config.jit_compile)
 
     # -- public -----------------------------------------------------------------------------------
-    def train(self, batch) -> tf.Tensor:
-        """Runs one compiled call: one step, or ``n`` steps on a stacked ``[n, B, ...]`` batch."""
-        return self._train(tuple(batch))
+    def train(self, batch, *, stacked: bool | None = None) -> tf.Tensor:
+        """Runs one compiled call: one step, or ``n`` steps on a stacked ``[n, B, ...]`` batch.
+
+        ``stacked`` says which (default: ``config.steps_per_execution > 1``).
+        """
+        if stacked is None:
+            stacked = self.config.steps_per_execution > 1
+        return (self._train_many if stacked else self._train_one)(tuple(batch))
 
     def evaluate(self, batch) -> tf.Tensor:
         """Accumulates loss and metrics over one (unstacked) batch; updates nothing else."""

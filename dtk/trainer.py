@@ -40,7 +40,7 @@ from dtk.errors import first_line
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
 from dtk import keras_check
-from dtk.input import DataSource
+from dtk.input import DataSource, DistributedDataset
 from dtk.mesh import BATCH_AXIS
 from dtk.steps import StepConfig, Steps
 
@@ -74,11 +74,18 @@ class TrainerConfig:
 
     Attributes:
       seed: seeds weight initialization (identical on every client, which the run relies on).
-      steps_per_execution: batches per compiled call; the training data must stack as many
-        (``InputConfig(steps_per_call=...)``).
+      steps_per_execution: batches per compiled call: ``"auto"`` (the default) or an integer.
+        ``"auto"`` times a few one-step calls at the start of ``fit`` against the measured cost
+        of a call that does nothing (DTensor's per-call dispatch on this mesh) and stacks enough
+        batches per call that this overhead stays under ``AUTO_OVERHEAD_FRACTION`` of the step
+        (at most ``AUTO_MAX_STEPS_PER_CALL`` and the epoch length); see ``choose_steps_per_call``.
+        It needs a ``DistributedDataset`` with ``InputConfig(steps_per_call=1)`` (it re-stacks
+        it); data built with ``steps_per_call=n > 1`` runs ``n`` per call. An integer is used
+        as given, and the data must then stack as many. Updates, ``max_steps``, checkpoints and
+        progress are the same whatever the count (parity-tested).
       jit_compile: compile the steps with XLA.
       shard_optimizer_state: shard optimizer state and the weight update over the batch axis
-        (ZeRO-style; see ``dtk.StepConfig``).
+        (ZeRO-style): True, False or ``"auto"`` (the default; see ``dtk.StepConfig``).
       checkpoint_dir: save every epoch there, and resume from it if it holds a checkpoint.
       max_to_keep: checkpoints kept.
       tensorboard_dir: write per-epoch scalars there (client 0 only).
@@ -94,9 +101,9 @@ class TrainerConfig:
     """
 
     seed: int = 0
-    steps_per_execution: int = 1
+    steps_per_execution: int | str = "auto"
     jit_compile: bool = False
-    shard_optimizer_state: bool = False
+    shard_optimizer_state: bool | str = "auto"
     checkpoint_dir: str | None = None
     max_to_keep: int = 3
     tensorboard_dir: str | None = None
@@ -109,11 +116,15 @@ class TrainerConfig:
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
         return StepConfig(jit_compile=self.jit_compile,
-                          steps_per_execution=self.steps_per_execution,
+                          steps_per_execution=(1 if self.steps_per_execution == "auto"
+                                               else self.steps_per_execution),
                           shard_optimizer_state=self.shard_optimizer_state,
                           batch_axis=self.batch_axis)
 
     def __post_init__(self):
+        spe = self.steps_per_execution
+        if spe != "auto" and (not isinstance(spe, int) or isinstance(spe, bool) or spe < 1):
+            raise ValueError(f"steps_per_execution must be 'auto' or a positive integer; got {spe!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer or None; got {self.max_steps}")
         if self.verbose not in (0, 1, 2):
@@ -218,6 +229,8 @@ class Trainer:
         self.optimizer = self.steps.optimizer
         self.timing = Timing()
         self.history = History()
+        self._auto = None
+        self._spe = 1 if config.steps_per_execution == "auto" else config.steps_per_execution
         self._checkpointer = None
         if config.checkpoint_dir:
             self._checkpointer = ckpt_lib.Checkpointer(
@@ -226,6 +239,11 @@ class Trainer:
                 max_to_keep=config.max_to_keep, mesh=mesh)
 
     # -- training ---------------------------------------------------------------------------------
+    @property
+    def steps_per_execution(self) -> int:
+        """Batches per compiled call in the last ``fit`` (the automatic choice under "auto")."""
+        return self._auto.steps_per_call if self._auto is not None else self._spe
+
     @property
     def global_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
@@ -277,6 +295,12 @@ class Trainer:
         if not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs must be a positive integer; got {epochs!r}")
         spe = self.config.steps_per_execution
+        self._auto = None
+        if spe == "auto":
+            spe = train_data.config.steps_per_call if isinstance(train_data, DataSource) else 1
+            if spe == 1 and isinstance(train_data, DistributedDataset):
+                self._auto = _AutoSteps(self)  # decides after a few timed one-step calls
+        self._spe = spe
         self._check_data(train_data, stacked=spe)
         steps_per_epoch = train_data.num_batches
         self.history = History()
@@ -325,23 +349,53 @@ class Trainer:
             raise ValueError(f"a step failed in epoch {epoch + 1}, at or before step "
                              f"{self.global_step + 1}: {first_line(e)}{_RESTART_NOTE}") from e
 
+    def _epoch_items(self, data, epoch, skip):
+        """The epoch's items; under ``steps_per_execution="auto"``, re-stacked once it decides."""
+        done = skip
+        auto = self._auto
+        if auto is None or auto.decided:
+            n = auto.steps_per_call if auto else None
+            yield from (data.epoch(epoch, skip_batches=skip) if n in (None, 1)
+                        else data.with_steps_per_call(n).epoch(epoch, skip_batches=skip))
+            return
+        items = data.epoch(epoch, skip_batches=skip)
+        try:
+            for item in items:
+                yield item
+                done += 1
+                # Switch where the stacks line up with the epoch: no extra trace for a short one.
+                if auto.decided and (done % auto.steps_per_call == 0 or done == data.num_batches):
+                    break
+            else:
+                return
+        finally:
+            items.close()  # stops the prefetch thread before the stream is read again
+        if done < data.num_batches:
+            n = auto.steps_per_call
+            source = data if n == 1 else data.with_steps_per_call(n)
+            yield from source.epoch(epoch, skip_batches=done)
+
     def _epoch_loop(self, data, epoch, skip, steps_per_epoch, on_step_end, progbar):
         done = skip
         window_steps, window_start = 0, time.perf_counter()
-        for batch in data.epoch(epoch, skip_batches=skip):
-            n = _num_steps(batch, self.config.steps_per_execution)
+        for batch in self._epoch_items(data, epoch, skip):
+            n = _num_steps(batch)
             if self.config.max_steps is not None:
                 left = self.config.max_steps - self.global_step
                 if left < n:
                     batch, n = _first_steps(batch, left), left
             start = time.perf_counter()
-            loss = self.steps.train(batch)
+            loss = self.steps.train(batch, stacked=_is_stacked(batch))
             if self.timing.first_step_s is None:
                 float(loss)
                 self.timing.first_step_s = time.perf_counter() - start
                 window_start = time.perf_counter()
             else:
                 window_steps += n
+                if self._auto is not None and not self._auto.decided:
+                    float(loss)  # a calibration call: timed to the end
+                    self._auto.observe(time.perf_counter() - start, steps_per_epoch)
+                    window_steps, window_start = 0, time.perf_counter()
             done += n
             for callback in on_step_end:
                 callback(epoch * steps_per_epoch + done)
@@ -481,11 +535,75 @@ def _is_laid_out(model: tf_keras.Model) -> bool:
         return False
 
 
-def _num_steps(batch, steps_per_execution: int) -> int:
+def _is_stacked(batch) -> bool:
+    """Whether an item is a stack ``[n, B, ...]`` of batches (its weights are 2-D)."""
+    return batch[2].shape.rank == 2
+
+
+def _num_steps(batch) -> int:
     """Steps held by one item of data: 1, or the leading dim of a stacked batch."""
-    if steps_per_execution == 1:
-        return 1
-    return int(batch[1].shape[0])
+    return int(batch[2].shape[0]) if _is_stacked(batch) else 1
+
+
+# steps_per_execution="auto"
+AUTO_CALIBRATION_CALLS = 4      # timed one-step calls (after the first, traced one)
+AUTO_OVERHEAD_FRACTION = 0.03   # per-call overhead kept under this share of a step
+AUTO_MAX_STEPS_PER_CALL = 32
+
+
+def choose_steps_per_call(step_s: float, overhead_s: float, steps_per_epoch: int) -> int:
+    """Batches per compiled call so that the per-call overhead is a small share of the work.
+
+    ``step_s`` is a measured one-step call (overhead included), ``overhead_s`` the measured
+    cost of a call that does nothing on the same mesh. The overhead of one call is spread over
+    ``n`` steps; ``n`` is the smallest count that brings it under ``AUTO_OVERHEAD_FRACTION`` of
+    the step's own work, capped by ``AUTO_MAX_STEPS_PER_CALL`` and by the epoch length, and
+    lowered (by at most half) to a divisor of the epoch length where one exists. A step that
+    dwarfs the overhead gets 1 (stacking would only add host memory and latency).
+    """
+    work = max(step_s - overhead_s, 1e-6)
+    n = max(1, min(math.ceil(overhead_s / (AUTO_OVERHEAD_FRACTION * work)),
+                   AUTO_MAX_STEPS_PER_CALL, steps_per_epoch))
+    # Prefer a count that divides the epoch (no short last stack, which costs another trace).
+    for d in range(n, (n + 1) // 2 - 1, -1):
+        if steps_per_epoch % d == 0:
+            return d
+    return n
+
+
+class _AutoSteps:
+    """``steps_per_execution="auto"``: measures, then picks the count once per ``fit``."""
+
+    def __init__(self, trainer: "Trainer"):
+        self._trainer = trainer
+        self._times: list[float] = []
+        self.decided = False
+        self.steps_per_call = 1
+
+    def observe(self, seconds: float, steps_per_epoch: int) -> None:
+        self._times.append(seconds)
+        if len(self._times) < AUTO_CALIBRATION_CALLS:
+            return
+        step_s = float(np.median(self._times))
+        overhead_s = _call_overhead_s(self._trainer.mesh)
+        self.steps_per_call = choose_steps_per_call(step_s, overhead_s, steps_per_epoch)
+        self.decided = True
+        if self._trainer.config.verbose and cluster.is_lead_client():
+            _log.info("steps_per_execution=auto: %d (a step %.2f ms, a call's overhead %.2f ms)",
+                      self.steps_per_call, 1000 * step_s, 1000 * overhead_s)
+
+
+def _call_overhead_s(mesh: dtensor.Mesh) -> float:
+    """Median time of a compiled DTensor call that does almost nothing on ``mesh``."""
+    x = dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[])
+    noop = tf.function(lambda t: t + 1.0, autograph=False)
+    float(noop(x))  # trace
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        float(noop(x))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def _first_steps(batch, n: int):

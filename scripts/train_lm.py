@@ -39,7 +39,8 @@ flags.DEFINE_float("dropout", 0.0, "Dropout rate (differs between mesh shapes wh
 flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("checkpoint_dir", None, "Save at every evaluation; re-running resumes.")
-flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO-style sharded optimizer update.")
+flags.DEFINE_bool("shard_optimizer_state", None, "ZeRO-style sharded optimizer update (default: "
+                  "on where the batch axis has 2+ devices; --noshard_optimizer_state turns it off).")
 flags.DEFINE_bool("mixed_precision", False, "Compute in bfloat16 (float32 logits).")
 flags.DEFINE_float("device_memory_gb", None, "Per-device memory budget for weights + optimizer "
                    "state, checked before any variable exists.")
@@ -125,11 +126,13 @@ def run() -> dict:
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
                                 dropout=FLAGS.dropout)
     plan = layouts.plan_layouts(FLAGS.layout, mesh, factory)
-    memory = layouts.memory_per_device(plan, optimizer_slots=2,
-                                       shard_optimizer_state=FLAGS.shard_optimizer_state)
+    shard = FLAGS.shard_optimizer_state
+    if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
+        shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
+    memory = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=shard)
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
-                                    shard_optimizer_state=FLAGS.shard_optimizer_state)
+                                    shard_optimizer_state=shard)
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
         return {}
@@ -158,7 +161,8 @@ def run() -> dict:
         mesh=mesh, model=factory, layout=FLAGS.layout, optimizer=optimizer,
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         config=dtk.TrainerConfig(seed=FLAGS.seed, checkpoint_dir=FLAGS.checkpoint_dir,
-                                 shard_optimizer_state=FLAGS.shard_optimizer_state,
+                                 shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
+                                                        else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0))
     say(layouts.explain(trainer.layout_plan).splitlines()[-1] +
         f"; per device: weights {memory['weights'] / 2**20:.2f} MiB + AdamW state "

@@ -46,9 +46,12 @@ flags.DEFINE_float("learning_rate", None, "Learning rate (default: tuned per mod
 flags.DEFINE_string("optimizer", None, "Optimizer name: sgd, adam, adamw, rmsprop, adagrad, ... "
                     "(default: sgd for mlp, adam for cnn).")
 flags.DEFINE_integer("seed", 0, "Seed for weights and data order (identical on every client).")
-flags.DEFINE_integer("steps_per_execution", 1, "Training steps per compiled call.")
-flags.DEFINE_bool("shard_optimizer_state", False, "ZeRO-style update: shard optimizer state and "
-                  "the weight update over the batch axis (same numbers, less memory, faster).")
+flags.DEFINE_string("steps_per_execution", "auto", "Training steps per compiled call: auto (chosen "
+                    "from measured call overhead and step time) or a positive integer.")
+flags.DEFINE_bool("shard_optimizer_state", None, "ZeRO-style update: shard optimizer state and "
+                  "the weight update over the batch axis (same numbers, less memory, faster). "
+                  "Default: on where the batch axis has 2+ devices; --noshard_optimizer_state "
+                  "turns it off.")
 flags.DEFINE_bool("mixed_precision", False, "Compute in bfloat16 (mixed_bfloat16 policy).")
 flags.DEFINE_string("checkpoint_dir", None, "Save every epoch here; re-running with it resumes.")
 flags.DEFINE_string("export_dir", None, "Write the trained model as .keras and SavedModel here.")
@@ -75,9 +78,12 @@ def _check_flags(dtk) -> tuple:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
-    for name in ("epochs", "global_batch_size", "steps_per_execution"):
+    for name in ("epochs", "global_batch_size"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    spe = FLAGS.steps_per_execution
+    if spe != "auto" and not (spe.isdigit() and int(spe) >= 1):
+        raise UsageError(f"--steps_per_execution must be auto or a positive integer; got {spe}")
     if FLAGS.max_steps is not None and FLAGS.max_steps < 1:
         raise UsageError(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
     if FLAGS.virtual_devices is not None and FLAGS.virtual_devices < 1:
@@ -198,13 +204,14 @@ def run() -> dict:
         print(layouts.explain(plan))
         return {}
 
+    spe = "auto" if FLAGS.steps_per_execution == "auto" else int(FLAGS.steps_per_execution)
     train_raw = mnist.load_mnist("train", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
     if FLAGS.augment:
         train_raw = train_raw.map(mnist.random_shift, num_parallel_calls=2)
     test_raw = mnist.load_mnist("test", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
     train = input_lib.DistributedDataset(train_raw, mesh, input_lib.InputConfig(
         global_batch_size=FLAGS.global_batch_size, remainder="drop", shuffle=True,
-        seed=FLAGS.seed, steps_per_call=FLAGS.steps_per_execution,
+        seed=FLAGS.seed, steps_per_call=1 if spe == "auto" else spe,
         num_classes=model_spec.num_classes))
     test = input_lib.DistributedDataset(test_raw, mesh, input_lib.InputConfig(
         global_batch_size=FLAGS.global_batch_size, remainder="pad",
@@ -218,8 +225,9 @@ def run() -> dict:
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         allow_replicated=FLAGS.allow_replicated,
         config=dtk.TrainerConfig(
-            seed=FLAGS.seed, steps_per_execution=FLAGS.steps_per_execution,
-            shard_optimizer_state=FLAGS.shard_optimizer_state,
+            seed=FLAGS.seed, steps_per_execution=spe,
+            shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
+                                   else FLAGS.shard_optimizer_state),
             checkpoint_dir=FLAGS.checkpoint_dir, tensorboard_dir=FLAGS.tensorboard_dir,
             max_steps=FLAGS.max_steps, verbose=1 if lead else 0,
             restart_from_scratch=FLAGS.restart_from_scratch))
@@ -239,7 +247,9 @@ def run() -> dict:
         "num_clients": dtk.cluster.num_clients(), "model": FLAGS.model, "layout": table.name,
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,
         "global_batch_size": FLAGS.global_batch_size,
-        "steps_per_execution": FLAGS.steps_per_execution, "steps": trainer.global_step,
+        "steps_per_execution": trainer.steps_per_execution,
+        "shard_optimizer_state": trainer.steps.shard_optimizer_state,
+        "steps": trainer.global_step,
         "train_examples_per_epoch": train.num_examples,
         "train_dropped_per_epoch": train.num_dropped,
         "train_loss": history.history.get("loss", []),

@@ -67,7 +67,7 @@ CLI_CASES = [  # (flags, phrase the one-line error must contain)
                                      "'batch' (size 8); use a multiple of 8"),
     (["--mesh", "batch=4,model=2", "--global_batch_size", "30"], "not divisible by mesh axis "
                                                                    "'batch' (size 4)"),
-    (["--steps_per_execution", "0"], "--steps_per_execution must be a positive integer; got 0"),
+    (["--steps_per_execution", "0"], "--steps_per_execution must be auto or a positive integer; got 0"),
     (["--max_steps", "0"], "--max_steps must be a positive integer; got 0"),
     (["--virtual_devices", "0"], "--virtual_devices must be a positive integer; got 0"),
     (["--learning_rate", "-1"], "--learning_rate must be a positive, finite number; got -1.0"),

@@ -81,12 +81,12 @@ def test_restart_resumes_from_checkpoint(tmp_path, single_process):
 
 
 def test_client_that_never_starts():
-    res, took = _launch("--num_clients", "2", "--start_timeout", "20", "--", sys.executable,
+    res, took = _launch("--num_clients", "2", "--start_timeout", "10", "--", sys.executable,
                         CLIENT, env=procs.base_env(MC_NEVER_START="1"))
     assert res.returncode == 124
     # Client 0 waits for client 1, so it has not joined either.
     assert re.search(r"client\(s\) \[(0, )?1\] did not join the cluster \(build the mesh\) "
-                     r"within 20 s", res.stderr), res.stderr[-2000:]
+                     r"within 10 s", res.stderr), res.stderr[-2000:]
     assert took < 60
 
 

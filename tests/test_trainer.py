@@ -180,7 +180,7 @@ def test_callbacks_and_tensorboard(tmp_path):
 
 
 def test_bad_arguments():
-    trainer = _trainer()
+    trainer = _trainer(steps_per_execution=1)
     with pytest.raises(ValueError, match="epochs must be a positive integer"):
         trainer.fit(_data(trainer.mesh), epochs=0)
     with pytest.raises(ValueError, match="steps_per_call=2 .* steps_per_execution=1"):
@@ -216,3 +216,43 @@ def test_repeated_dataset_with_steps_per_epoch_resumes_exactly(tmp_path):
     got = resumed.fit(data(resumed.mesh), epochs=3).history["loss"]
     assert resumed.global_step == 12
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# -- the fast defaults: steps_per_execution="auto", shard_optimizer_state="auto" -------------------
+@pytest.mark.parametrize("step_ms, overhead_ms, epoch, want", [
+    (12.0, 3.0, 190, 10),   # MLP-like: 3 ms of 12 -> 12 wanted, 10 divides the epoch
+    (60.0, 2.5, 190, 2),    # heavy step: the overhead is already small
+    (500.0, 2.0, 190, 1),   # a step that dwarfs the overhead: no stacking
+    (3.0, 2.9, 190, 32),    # nearly all overhead: capped
+    (12.0, 3.0, 6, 6),      # capped by the epoch
+    (12.0, 3.0, 7, 7),
+])
+def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
+    from dtk import trainer as trainer_lib
+    assert trainer_lib.choose_steps_per_call(step_ms / 1e3, overhead_ms / 1e3, epoch) == want
+
+
+@pytest.mark.parametrize("max_steps", [None, 11])
+def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
+    """auto re-stacks the stream after its timed calls; updates, max_steps and history unchanged."""
+    from dtk import trainer as trainer_lib
+    monkeypatch.setattr(trainer_lib, "_call_overhead_s", lambda mesh: 1.0)  # forces stacking
+    one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
+    want = one.fit(_data(one.mesh), epochs=3).history
+    auto = _trainer(shard_optimizer_state=False, max_steps=max_steps)
+    got = auto.fit(_data(auto.mesh), epochs=3).history
+    assert auto.steps_per_execution == 6   # the epoch length caps it
+    assert auto.global_step == one.global_step == (max_steps or 18)
+    assert got.epochs == want.epochs
+    for key in ("loss", "accuracy"):
+        np.testing.assert_array_equal(got[key], want[key])
+    for a, b in zip(dtk.gather_weights(auto.model), dtk.gather_weights(one.model)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("spec, layout, want", [("batch=8", "data_parallel", True),
+                                                ("batch=1", "data_parallel", False),
+                                                ("batch=4,model=2", "mlp_model_parallel", True)])
+def test_auto_shard_optimizer_state_rule(spec, layout, want):
+    trainer = _trainer(spec, layout)
+    assert trainer.steps.shard_optimizer_state is want
