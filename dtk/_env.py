@@ -48,9 +48,11 @@ def apply_safe_defaults() -> None:
     if value.strip().lower() not in ("0", "false"):
         warnings.warn(
             f"{COMBINE_ALL_REDUCES_ENV}={value!r} is set in the environment: DTensor will combine "
-            "all-reduces, which makes data-parallel optimizer updates differ from single-device "
-            "training (silently wrong losses). Unset it or set it to 0 unless you are studying that "
-            "bug.",
+            "all-reduces, which makes data-parallel optimizer updates in train steps written the "
+            "usual way differ from single-device training (silently wrong losses), and has failed "
+            "to compile some steps ('operand does not dominate this use'). dtk's own steps isolate "
+            "their update and stay correct (about 6-9% faster on the MNIST MLP). Unset it or set "
+            "it to 0 unless you accept that.",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -223,7 +223,8 @@ def test_repeated_dataset_with_steps_per_epoch_resumes_exactly(tmp_path):
     (12.0, 3.0, 190, 10),   # MLP-like: 3 ms of 12 -> 12 wanted, 10 divides the epoch
     (60.0, 2.5, 190, 2),    # heavy step: the overhead is already small
     (500.0, 2.0, 190, 1),   # a step that dwarfs the overhead: no stacking
-    (3.0, 2.9, 190, 32),    # nearly all overhead: capped
+    (3.0, 2.9, 190, 19),    # nearly all overhead: capped at 32, then 19 divides the epoch
+    (3.0, 2.9, 191, 32),    # 191 is prime: capped
     (12.0, 3.0, 6, 6),      # capped by the epoch
     (12.0, 3.0, 7, 7),
 ])
@@ -238,14 +239,14 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
     from dtk import trainer as trainer_lib
     monkeypatch.setattr(trainer_lib, "_call_overhead_s", lambda mesh: 1.0)  # forces stacking
     one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
-    want = one.fit(_data(one.mesh), epochs=3).history
+    want = one.fit(_data(one.mesh), epochs=3)
     auto = _trainer(shard_optimizer_state=False, max_steps=max_steps)
-    got = auto.fit(_data(auto.mesh), epochs=3).history
+    got = auto.fit(_data(auto.mesh), epochs=3)
     assert auto.steps_per_execution == 6   # the epoch length caps it
     assert auto.global_step == one.global_step == (max_steps or 18)
     assert got.epochs == want.epochs
     for key in ("loss", "accuracy"):
-        np.testing.assert_array_equal(got[key], want[key])
+        np.testing.assert_array_equal(got.history[key], want.history[key])
     for a, b in zip(dtk.gather_weights(auto.model), dtk.gather_weights(one.model)):
         np.testing.assert_array_equal(a, b)
 
