@@ -350,30 +350,31 @@ class Trainer:
                              f"{self.global_step + 1}: {first_line(e)}{_RESTART_NOTE}") from e
 
     def _epoch_items(self, data, epoch, skip):
-        """The epoch's items; under ``steps_per_execution="auto"``, re-stacked once it decides."""
-        done = skip
+        """The epoch's items; under ``steps_per_execution="auto"``, re-stacked as it decides.
+
+        A change of count takes effect where the stacks line up with the epoch (no short stack,
+        which would cost another trace); the stream then continues from that batch.
+        """
         auto = self._auto
-        if auto is None or auto.decided:
-            n = auto.steps_per_call if auto else None
-            yield from (data.epoch(epoch, skip_batches=skip) if n in (None, 1)
-                        else data.with_steps_per_call(n).epoch(epoch, skip_batches=skip))
+        if auto is None:
+            yield from data.epoch(epoch, skip_batches=skip)
             return
-        items = data.epoch(epoch, skip_batches=skip)
-        try:
-            for item in items:
-                yield item
-                done += 1
-                # Switch where the stacks line up with the epoch: no extra trace for a short one.
-                if auto.decided and (done % auto.steps_per_call == 0 or done == data.num_batches):
-                    break
-            else:
-                return
-        finally:
-            items.close()  # stops the prefetch thread before the stream is read again
-        if done < data.num_batches:
+        done = skip
+        while done < data.num_batches:
             n = auto.steps_per_call
             source = data if n == 1 else data.with_steps_per_call(n)
-            yield from source.epoch(epoch, skip_batches=done)
+            items = source.epoch(epoch, skip_batches=done)
+            try:
+                for item in items:
+                    yield item
+                    done += _num_steps(item)
+                    new = auto.steps_per_call
+                    if new != n and done % new == 0 and done < data.num_batches:
+                        break
+                else:
+                    return
+            finally:
+                items.close()  # stops the prefetch thread before the stream is read again
 
     def _epoch_loop(self, data, epoch, skip, steps_per_epoch, on_step_end, progbar):
         done = skip
@@ -394,7 +395,7 @@ class Trainer:
                 window_steps += n
                 if self._auto is not None and not self._auto.decided:
                     float(loss)  # a calibration call: timed to the end
-                    self._auto.observe(time.perf_counter() - start, steps_per_epoch)
+                    self._auto.observe(time.perf_counter() - start, n, steps_per_epoch)
                     window_steps, window_start = 0, time.perf_counter()
             done += n
             for callback in on_step_end:
@@ -547,6 +548,7 @@ def _num_steps(batch) -> int:
 
 # steps_per_execution="auto"
 AUTO_CALIBRATION_CALLS = 4      # timed one-step calls (after the first, traced one)
+AUTO_PROBE_STEPS = 8            # then stacks of this many: one traced call, two timed
 AUTO_OVERHEAD_FRACTION = 0.03   # per-call overhead kept under this share of a step
 AUTO_MAX_STEPS_PER_CALL = 32
 
@@ -572,38 +574,61 @@ def choose_steps_per_call(step_s: float, overhead_s: float, steps_per_epoch: int
 
 
 class _AutoSteps:
-    """``steps_per_execution="auto"``: measures, then picks the count once per ``fit``."""
+    """``steps_per_execution="auto"``: measures one-step calls, then stacked calls, and decides.
+
+    Phase 1 times ``AUTO_CALIBRATION_CALLS`` one-step calls (``t1`` per step). Phase 2 stacks
+    ``AUTO_PROBE_STEPS`` batches per call and times two calls after the one that traces
+    (``tp`` per step). The per-call overhead is what stacking saved, ``c = (t1 - tp) * p / (p - 1)``
+    (a no-op call underestimates it: a step's call carries every weight, slot and metric);
+    ``choose_steps_per_call(t1, c, ...)`` gives the count, kept at the probe's where it is within
+    2x of it (no third trace). When stacking saved under 3%, one step per call it is.
+    """
 
     def __init__(self, trainer: "Trainer"):
         self._trainer = trainer
-        self._times: list[float] = []
+        self._single: list[float] = []
+        self._probe: list[float] = []
+        self._probe_calls = 0
         self.decided = False
         self.steps_per_call = 1
 
-    def observe(self, seconds: float, steps_per_epoch: int) -> None:
-        self._times.append(seconds)
-        if len(self._times) < AUTO_CALIBRATION_CALLS:
+    def set(self, n: int) -> None:
+        self.steps_per_call, self.decided = n, True
+
+    def observe(self, seconds: float, steps: int, steps_per_epoch: int) -> None:
+        """One timed call of ``steps`` steps (not the fit's first call)."""
+        if self.decided:
             return
-        step_s = float(np.median(self._times))
-        overhead_s = _call_overhead_s(self._trainer.mesh)
-        self.steps_per_call = choose_steps_per_call(step_s, overhead_s, steps_per_epoch)
-        self.decided = True
+        if steps == 1 and self.steps_per_call == 1:
+            self._single.append(seconds)
+            if len(self._single) >= AUTO_CALIBRATION_CALLS:
+                probe = min(AUTO_PROBE_STEPS, steps_per_epoch)
+                if probe < 2:
+                    self.set(1)
+                else:
+                    self.steps_per_call = probe
+            return
+        if steps != self.steps_per_call:
+            return  # a short stack (epoch end, max_steps): not comparable
+        self._probe_calls += 1
+        if self._probe_calls == 1:
+            return  # that call traced the stacked step
+        self._probe.append(seconds / steps)
+        if len(self._probe) < 2:
+            return
+        t1, tp, p = float(np.median(self._single)), float(np.median(self._probe)), self.steps_per_call
+        if tp >= (1 - AUTO_OVERHEAD_FRACTION) * t1:
+            n, overhead = 1, 0.0
+        else:
+            overhead = (t1 - tp) * p / (p - 1)
+            n = choose_steps_per_call(t1, overhead, steps_per_epoch)
+            if p / 2 <= n <= 2 * p:
+                n = p
+        self.set(n)
         if self._trainer.config.verbose and cluster.is_lead_client():
-            _log.info("steps_per_execution=auto: %d (a step %.2f ms, a call's overhead %.2f ms)",
-                      self.steps_per_call, 1000 * step_s, 1000 * overhead_s)
-
-
-def _call_overhead_s(mesh: dtensor.Mesh) -> float:
-    """Median time of a compiled DTensor call that does almost nothing on ``mesh``."""
-    x = dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[])
-    noop = tf.function(lambda t: t + 1.0, autograph=False)
-    float(noop(x))  # trace
-    times = []
-    for _ in range(9):
-        start = time.perf_counter()
-        float(noop(x))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+            _log.info("steps_per_execution=auto: %d (one step per call %.2f ms, %d per call "
+                      "%.2f ms per step: %.2f ms of overhead per call)", n, 1000 * t1, p,
+                      1000 * tp, 1000 * overhead)
 
 
 def _first_steps(batch, n: int):

@@ -108,19 +108,30 @@ def _timed(fn, steps, per_call=1):
 
 
 def _auto_timed(dtk, input_lib, mesh, steps_obj, arrays, steps):
-    """steps_per_execution="auto" as ``Trainer.fit`` runs it: timed one-step calls, the measured
-    overhead of an empty call, then stacks of the chosen count (an MNIST epoch: 190 steps)."""
+    """steps_per_execution="auto" as ``Trainer.fit`` runs it (the same ``_AutoSteps`` decisions on
+    the same kind of timed calls), then timed stacks of the chosen count (an MNIST epoch: 190)."""
     from dtk import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
     x, y, w = arrays
-    single = input_lib.pack(mesh, (x[0], y[0], w[0]))
-    first, calib = _timed(lambda: steps_obj.train(single, stacked=False),
-                          trainer_lib.AUTO_CALIBRATION_CALLS)
-    n = trainer_lib.choose_steps_per_call(statistics.median(calib) / 1000,
-                                          trainer_lib._call_overhead_s(mesh), 190)  # pylint: disable=protected-access
-    if n == 1:
-        return first, _timed(lambda: steps_obj.train(single, stacked=False), steps)[1], 1
-    stack = input_lib.pack(mesh, (x[:n], y[:n], w[:n]), stacked=True)
-    _, times = _timed(lambda: steps_obj.train(stack, stacked=True), max(steps, 2 * n), per_call=n)
+    auto = trainer_lib._AutoSteps(  # pylint: disable=protected-access
+        type("T", (), {"config": type("C", (), {"verbose": 0})(), "mesh": mesh})())
+    packed = {}
+
+    def call():
+        n = auto.steps_per_call
+        if n not in packed:
+            packed[n] = (input_lib.pack(mesh, (x[0], y[0], w[0])) if n == 1 else
+                         input_lib.pack(mesh, (x[:n], y[:n], w[:n]), stacked=True))
+        start = time.perf_counter()
+        float(steps_obj.train(packed[n], stacked=n > 1))
+        return time.perf_counter() - start, n
+
+    first, _ = call()
+    while not auto.decided:
+        seconds, n = call()
+        auto.observe(seconds, n, 190)
+    n = auto.steps_per_call
+    _, times = _timed(lambda: steps_obj.train(packed.get(n) or input_lib.pack(
+        mesh, (x[:n], y[:n], w[:n]), stacked=True), stacked=n > 1), max(steps, 2 * n), per_call=n)
     return first, times, n
 
 

@@ -30,6 +30,8 @@ from absl import app, flags
 _MESH = flags.DEFINE_string("mesh", "batch=8", "Mesh spec.")
 _BATCH = flags.DEFINE_integer("global_batch_size", 128, "Global batch size.")
 _STEPS = flags.DEFINE_integer("steps", 60, "Timed steps per measurement.")
+_SPC = flags.DEFINE_integer("steps_per_call", 10, "Batches per compiled call (what "
+                            "steps_per_execution='auto' picks for this MLP here); 1: one per call.")
 _SMALL_MB = flags.DEFINE_integer("small_mb", 20, "Size of the small dataset on disk.")
 _LARGE_MB = flags.DEFINE_integer("large_mb", 2048, "Size of the large dataset on disk.")
 _WORK_DIR = flags.DEFINE_string("work_dir", None, "Where to write the TFRecords (default: temp).")
@@ -93,7 +95,7 @@ def _setup(directory):
                           config=dtk.TrainerConfig(verbose=0))
     data = input_lib.DistributedDataset(pipeline(directory).repeat(), mesh, input_lib.InputConfig(
         global_batch_size=_BATCH.value, shuffle=True, shuffle_buffer=10_000,
-        steps_per_epoch=_STEPS.value))
+        steps_per_epoch=_STEPS.value, steps_per_call=_SPC.value))
     return trainer, data
 
 
@@ -101,7 +103,7 @@ def _loop(steps, items) -> float:
     start = time.perf_counter()
     loss = None
     for batch in items:
-        loss = steps.train(batch)
+        loss = steps.train(batch, stacked=_SPC.value > 1)
     float(loss)
     return 1000 * (time.perf_counter() - start) / _STEPS.value
 
@@ -113,9 +115,9 @@ def child(directory: str) -> None:
     items = data.epoch(0)
     first = next(items)
     first_s = time.perf_counter() - start
-    trainer.steps.train(first)
+    trainer.steps.train(first, stacked=_SPC.value > 1)
     for batch in items:
-        trainer.steps.train(batch)
+        trainer.steps.train(batch, stacked=_SPC.value > 1)
     float(trainer.steps.results()["loss"])
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "first_batch_s": first_s}))
@@ -129,7 +131,7 @@ def client(directory: str, mode: str) -> None:
     trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, optimizer="adam",
                           config=dtk.TrainerConfig(verbose=0))
     config = input_lib.InputConfig(global_batch_size=_BATCH.value, shuffle=True,
-                                   steps_per_epoch=_STEPS.value)
+                                   steps_per_epoch=_STEPS.value, steps_per_call=_SPC.value)
     if mode == "scale":
         data = input_lib.DistributedDataset.from_function(
             lambda shard: pipeline(directory, shard).repeat(), mesh, config)
@@ -147,7 +149,8 @@ def multi_client(work: str) -> None:
             [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
              "--", sys.executable, os.path.abspath(__file__), f"--client_mode={mode}",
              f"--work_dir={work}", f"--mesh={_MESH.value}", f"--steps={_STEPS.value}",
-             f"--global_batch_size={_BATCH.value}"], capture_output=True, text=True, timeout=900)
+             f"--global_batch_size={_BATCH.value}", f"--steps_per_call={_SPC.value}"],
+            capture_output=True, text=True, timeout=900)
         lines = [line.split("] ", 1)[1] for line in res.stdout.splitlines()
                  if line.startswith("[client 0] {")]
         if res.returncode or not lines:
@@ -192,7 +195,8 @@ def main(argv):
         rows.append((streamed_ms, prepacked_ms))
     streamed = statistics.median(r[0] for r in rows)
     packed = statistics.median(r[1] for r in rows)
-    print(f"mesh {_MESH.value}, global batch {_BATCH.value}, {_STEPS.value} steps, median of 3:")
+    print(f"mesh {_MESH.value}, global batch {_BATCH.value}, {_STEPS.value} steps, "
+          f"{_SPC.value} per call, median of 3:")
     print(f"  streamed from TFRecords (parse + normalize + shift): {streamed:7.2f} ms/step")
     print(f"  pre-packed batches:                                 {packed:7.2f} ms/step")
     print(f"  ratio streamed / pre-packed:                        {streamed / packed:7.3f}")
@@ -200,7 +204,8 @@ def main(argv):
     for name in sizes:
         res = subprocess.run([sys.executable, __file__, f"--child={os.path.join(work, name)}",
                               f"--mesh={_MESH.value}", f"--steps={_STEPS.value}",
-                              f"--global_batch_size={_BATCH.value}"],
+                              f"--global_batch_size={_BATCH.value}",
+                              f"--steps_per_call={_SPC.value}"],
                              capture_output=True, text=True, timeout=600)
         if res.returncode:
             raise SystemExit(res.stderr[-2000:])

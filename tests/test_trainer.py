@@ -235,14 +235,23 @@ def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
 
 @pytest.mark.parametrize("max_steps", [None, 11])
 def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
-    """auto re-stacks the stream after its timed calls; updates, max_steps and history unchanged."""
+    """auto re-stacks the stream twice in epoch 0 (1 -> 2 -> 3 per call); the updates, max_steps
+    and the history are those of one step per call, bit for bit."""
     from dtk import trainer as trainer_lib
-    monkeypatch.setattr(trainer_lib, "_call_overhead_s", lambda mesh: 1.0)  # forces stacking
+
+    def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.steps_per_call = 2   # the probe: switches at the next even batch
+        if self.calls == 4:
+            self.set(3)
+
+    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
     one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
     want = one.fit(_data(one.mesh), epochs=3)
     auto = _trainer(shard_optimizer_state=False, max_steps=max_steps)
     got = auto.fit(_data(auto.mesh), epochs=3)
-    assert auto.steps_per_execution == 6   # the epoch length caps it
+    assert auto.steps_per_execution == 3
     assert auto.global_step == one.global_step == (max_steps or 18)
     assert got.epochs == want.epochs
     for key in ("loss", "accuracy"):
