@@ -389,6 +389,20 @@ def check_same_on_all_clients(mesh, value: float, *, what: str) -> dict[int, flo
     Raises:
       ValueError: the clients disagree, with each client's value.
     """
+    values = values_on_all_clients(mesh, value)
+    if len(set(values.values())) > 1:
+        raise ValueError(
+            f"{what} differs between clients: {values}; every client must use the same seed (and "
+            "the same code and data) or 'replicated' values diverge")
+    return values
+
+
+def values_on_all_clients(mesh, value: float) -> dict[int, float]:
+    """Every client's ``value``, by client id, on every client (a collective: all must call).
+
+    Used where clients decide something from their own measurements and must then act alike
+    (e.g. ``steps_per_execution="auto"`` takes client 0's choice).
+    """
     clients = num_clients()
     if clients == 1:
         return {0: value}
@@ -400,8 +414,4 @@ def check_same_on_all_clients(mesh, value: float, *, what: str) -> dict[int, flo
     full = dtensor.relayout(packed, dtensor.Layout.replicated(mesh, len(mesh.dim_names)))
     values = np.asarray(dtensor.unpack(full)[0]).ravel()
     per_client = values.reshape(clients, -1)[:, 0]
-    if np.ptp(per_client) != 0:
-        raise ValueError(
-            f"{what} differs between clients: {dict(enumerate(per_client.tolist()))}; every client "
-            "must use the same seed (and the same code and data) or 'replicated' values diverge")
     return dict(enumerate(per_client.tolist()))

@@ -454,6 +454,8 @@ class Trainer:
                 f" steps per epoch, but this data gives {steps_per_epoch}: the data or the global "
                 "batch size changed, so the run cannot resume at the same position. Use the same "
                 "data and batch size, or a new checkpoint directory")
+        if self._auto is not None and state.get("auto_steps_per_call"):
+            self._auto.set(int(state["auto_steps_per_call"]))
         self.history = History(epochs=list(state["history"]["epochs"]),
                                history={k: list(v) for k, v in state["history"]["logs"].items()})
         if cluster.is_lead_client() and self.config.verbose:
@@ -464,8 +466,10 @@ class Trainer:
     def _save(self, epoch: int, batch_in_epoch: int, steps_per_epoch: int) -> None:
         if self._checkpointer is None:
             return
+        auto = self._auto.steps_per_call if self._auto is not None and self._auto.decided else None
         self._checkpointer.save({
             "epoch": epoch, "batch_in_epoch": batch_in_epoch, "steps_per_epoch": steps_per_epoch,
+            "auto_steps_per_call": auto,  # a resumed run skips the calibration
             "history": {"epochs": self.history.epochs, "logs": self.history.history},
         }, step=self.global_step)
 
@@ -624,6 +628,8 @@ class _AutoSteps:
             n = choose_steps_per_call(t1, overhead, steps_per_epoch)
             if p / 2 <= n <= 2 * p:
                 n = p
+        if cluster.num_clients() > 1:  # timings differ by client; the stacking must not
+            n = int(mesh_lib.values_on_all_clients(self._trainer.mesh, float(n))[0])
         self.set(n)
         if self._trainer.config.verbose and cluster.is_lead_client():
             _log.info("steps_per_execution=auto: %d (one step per call %.2f ms, %d per call "

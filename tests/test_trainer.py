@@ -266,3 +266,28 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
 def test_auto_shard_optimizer_state_rule(spec, layout, want):
     trainer = _trainer(spec, layout)
     assert trainer.steps.shard_optimizer_state is want
+
+
+def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
+    """A run stopped mid-epoch resumes with the count it chose (no new calibration), same numbers."""
+    from dtk import trainer as trainer_lib
+
+    def observe(self, seconds, steps, steps_per_epoch):
+        self.set(2)
+
+    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
+    full = _trainer(shard_optimizer_state=True)
+    want = full.fit(_data(full.mesh), epochs=3).history
+    first = _trainer(checkpoint_dir=str(tmp_path), max_steps=8, shard_optimizer_state=True)
+    first.fit(_data(first.mesh), epochs=3)
+    assert first.global_step == 8 and first.steps_per_execution == 2
+
+    def must_not_calibrate(self, seconds, steps, steps_per_epoch):
+        raise AssertionError("a resumed run calibrated again")
+
+    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", must_not_calibrate)  # pylint: disable=protected-access
+    second = _trainer(checkpoint_dir=str(tmp_path), shard_optimizer_state=True)
+    got = second.fit(_data(second.mesh), epochs=3).history
+    assert second.global_step == 18 and second.steps_per_execution == 2
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
