@@ -5,7 +5,9 @@ Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after 
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
 MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
-after every step.
+after every step; MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
+calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
+(stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
 """
 
 import json
@@ -25,6 +27,16 @@ if client == 1 and os.environ.get("MC_NEVER_START"):
     sys.exit(3)
 
 import tensorflow as tf  # noqa: E402
+
+if os.environ.get("MC_SKEW_AUTO"):
+    from dtk import trainer as _trainer_lib
+    _observe = _trainer_lib._AutoSteps.observe  # pylint: disable=protected-access
+
+    def _skewed(self, seconds, steps, steps_per_epoch):
+        skew = (0.1 if client == 0 else 100.0) if steps > 1 else 1.0
+        return _observe(self, seconds * skew, steps, steps_per_epoch)
+
+    _trainer_lib._AutoSteps.observe = _skewed  # pylint: disable=protected-access
 
 mesh = dtk.build_mesh("batch=8", device_type="cpu")
 rng = np.random.default_rng(0)

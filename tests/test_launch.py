@@ -36,14 +36,17 @@ def single_process(tmp_path_factory):
 
 
 def test_two_clients_match_one_process(tmp_path, single_process):
+    """Also: steps_per_execution="auto" measures differently on the two clients (MC_SKEW_AUTO);
+    they stack alike (client 0's choice), or the collectives would not match and the run hang."""
     out = tmp_path / "losses.json"
     res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
-                     CLIENT, env=procs.base_env(MC_OUT=str(out)))
+                     CLIENT, env=procs.base_env(MC_OUT=str(out), MC_SKEW_AUTO="1", MC_EPOCHS="5"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[client 0] DONE" in res.stdout and "[client 1] DONE" in res.stdout
     got = json.loads(out.read_text())
-    np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
-    np.testing.assert_allclose(got["accuracy"], single_process["accuracy"], rtol=1e-6)
+    assert len(got["loss"]) == 5  # the choice is made in epoch 4 (after the probe's calls)
+    np.testing.assert_allclose(got["loss"][:3], single_process["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"][:3], single_process["accuracy"], rtol=1e-6)
 
 
 def test_scale_mode_reads_each_example_once(tmp_path, single_process):
