@@ -75,10 +75,11 @@ class TrainerConfig:
     Attributes:
       seed: seeds weight initialization (identical on every client, which the run relies on).
       steps_per_execution: batches per compiled call: ``"auto"`` (the default) or an integer.
-        ``"auto"`` times a few one-step calls at the start of ``fit`` against the measured cost
-        of a call that does nothing (DTensor's per-call dispatch on this mesh) and stacks enough
-        batches per call that this overhead stays under ``AUTO_OVERHEAD_FRACTION`` of the step
-        (at most ``AUTO_MAX_STEPS_PER_CALL`` and the epoch length); see ``choose_steps_per_call``.
+        ``"auto"`` times a few one-step calls at the start of ``fit``, then a few calls of
+        ``AUTO_PROBE_STEPS`` stacked batches; what stacking saves gives the per-call overhead,
+        and enough batches are stacked per call that it stays under ``AUTO_OVERHEAD_FRACTION``
+        of a step (see ``_AutoSteps`` and ``choose_steps_per_call``). Clients agree on client
+        0's choice. A fit planned for fewer than ``AUTO_MIN_STEPS`` steps runs one per call.
         It needs a ``DistributedDataset`` with ``InputConfig(steps_per_call=1)`` (it re-stacks
         it); data built with ``steps_per_call=n > 1`` runs ``n`` per call. An integer is used
         as given, and the data must then stack as many. Updates, ``max_steps``, checkpoints and
@@ -298,8 +299,13 @@ class Trainer:
         self._auto = None
         if spe == "auto":
             spe = train_data.config.steps_per_call if isinstance(train_data, DataSource) else 1
-            if spe == 1 and isinstance(train_data, DistributedDataset):
-                self._auto = _AutoSteps(self)  # decides after a few timed one-step calls
+            planned = epochs * getattr(train_data, "num_batches", 0)
+            if self.config.max_steps is not None:
+                planned = min(planned, self.config.max_steps)
+            # Calibrating costs a trace or two (~1-2 s): only worth it for a run long enough.
+            if spe == 1 and isinstance(train_data, DistributedDataset) and \
+                    planned >= AUTO_MIN_STEPS:
+                self._auto = _AutoSteps(self)  # decides after a few timed calls
         self._spe = spe
         self._check_data(train_data, stacked=spe)
         steps_per_epoch = train_data.num_batches
@@ -553,6 +559,7 @@ def _num_steps(batch) -> int:
 # steps_per_execution="auto"
 AUTO_CALIBRATION_CALLS = 4      # timed one-step calls (after the first, traced one)
 AUTO_PROBE_STEPS = 8            # then stacks of this many: one traced call, two timed
+AUTO_MIN_STEPS = 200            # a fit planned shorter runs one step per call (no calibration)
 AUTO_OVERHEAD_FRACTION = 0.03   # per-call overhead kept under this share of a step
 AUTO_MAX_STEPS_PER_CALL = 32
 

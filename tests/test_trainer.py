@@ -247,6 +247,7 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
             self.set(3)
 
     monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
+    monkeypatch.setattr(trainer_lib, "AUTO_MIN_STEPS", 1)
     one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
     want = one.fit(_data(one.mesh), epochs=3)
     auto = _trainer(shard_optimizer_state=False, max_steps=max_steps)
@@ -276,6 +277,7 @@ def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
         self.set(2)
 
     monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
+    monkeypatch.setattr(trainer_lib, "AUTO_MIN_STEPS", 1)
     full = _trainer(shard_optimizer_state=True)
     want = full.fit(_data(full.mesh), epochs=3).history
     first = _trainer(checkpoint_dir=str(tmp_path), max_steps=8, shard_optimizer_state=True)
