@@ -387,11 +387,10 @@ class DistributedDataset:
             raise ValueError(f"global_batch_size ({config.global_batch_size}) is not divisible "
                              f"by the {clients} clients")
         data = cls(dataset_fn(shard), mesh, config, _clients=clients)
-        counts = mesh_lib.check_same_on_all_clients(mesh, float(data.num_batches),
-                                                    what="batches per epoch (scale mode)")
+        mesh_lib.check_same_on_all_clients(mesh, float(data.num_batches),
+                                           what="batches per epoch (scale mode)")
         data.num_examples = int(data.num_examples * clients)
         data.num_dropped = int(data.num_dropped * clients)
-        del counts
         return data
 
     def with_steps_per_call(self, n: int) -> "DistributedDataset":

@@ -305,7 +305,7 @@ class Trainer:
             # Calibrating costs a trace or two (~1-2 s): only worth it for a run long enough.
             if spe == 1 and isinstance(train_data, DistributedDataset) and \
                     planned >= AUTO_MIN_STEPS:
-                self._auto = _AutoSteps(self)  # decides after a few timed calls
+                self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
         self._check_data(train_data, stacked=spe)
         steps_per_epoch = train_data.num_batches
@@ -595,8 +595,8 @@ class _AutoSteps:
     2x of it (no third trace). When stacking saved under 3%, one step per call it is.
     """
 
-    def __init__(self, trainer: "Trainer"):
-        self._trainer = trainer
+    def __init__(self, mesh: dtensor.Mesh, *, verbose: bool):
+        self._mesh, self._verbose = mesh, verbose
         self._single: list[float] = []
         self._probe: list[float] = []
         self._probe_calls = 0
@@ -636,9 +636,9 @@ class _AutoSteps:
             if p / 2 <= n <= 2 * p:
                 n = p
         if cluster.num_clients() > 1:  # timings differ by client; the stacking must not
-            n = int(mesh_lib.values_on_all_clients(self._trainer.mesh, float(n))[0])
+            n = int(mesh_lib.values_on_all_clients(self._mesh, float(n))[0])
         self.set(n)
-        if self._trainer.config.verbose and cluster.is_lead_client():
+        if self._verbose and cluster.is_lead_client():
             _log.info("steps_per_execution=auto: %d (one step per call %.2f ms, %d per call "
                       "%.2f ms per step: %.2f ms of overhead per call)", n, 1000 * t1, p,
                       1000 * tp, 1000 * overhead)

@@ -74,11 +74,10 @@ def _model(tf_keras, hidden, **layer_kwargs):
     return tf_keras.Sequential(layers)
 
 
-def _floor_step(tf, tf_keras, hidden, loss_obj):
-    """The floor: a plain single-device tf.function step (Adam + accuracy), and its model."""
-    model = _model(tf_keras, hidden)
+def _floor_step(tf, tf_keras, model, loss_obj, *, accuracy=True):
+    """The floor: a plain single-device tf.function step of ``model`` (Adam, + accuracy)."""
     opt = tf_keras.optimizers.Adam()
-    acc = tf_keras.metrics.SparseCategoricalAccuracy()
+    acc = tf_keras.metrics.SparseCategoricalAccuracy() if accuracy else None
 
     @tf.function
     def step(xb, yb):
@@ -87,7 +86,8 @@ def _floor_step(tf, tf_keras, hidden, loss_obj):
             loss = loss_obj(yb, logits)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
-        acc.update_state(yb, logits)
+        if acc is not None:
+            acc.update_state(yb, logits)
         return loss
     return step, model
 
@@ -112,8 +112,7 @@ def _auto_timed(dtk, input_lib, mesh, steps_obj, arrays, steps):
     the same kind of timed calls), then timed stacks of the chosen count (an MNIST epoch: 190)."""
     from dtk import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
     x, y, w = arrays
-    auto = trainer_lib._AutoSteps(  # pylint: disable=protected-access
-        type("T", (), {"config": type("C", (), {"verbose": 0})(), "mesh": mesh})())
+    auto = trainer_lib._AutoSteps(mesh, verbose=False)  # pylint: disable=protected-access
     packed = {}
 
     def call():
@@ -156,7 +155,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     if variant == "floor":
-        step, _ = _floor_step(tf, tf_keras, hidden, loss_obj)
+        step, _ = _floor_step(tf, tf_keras, _model(tf_keras, hidden), loss_obj)
         xb, yb = tf.constant(x[0]), tf.constant(y[0])
         first, times = _timed(lambda: step(xb, yb), steps)
     elif variant in ("keras_fit", "mirrored_fit"):
@@ -233,18 +232,9 @@ def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
     tf_keras.utils.set_random_seed(0)
     start = time.perf_counter()
     if variant == "floor":
-        model = factory()
-        opt = tf_keras.optimizers.Adam()
-        loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-        @tf.function
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = loss_obj(yb, model(xb, training=True))
-            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                    model.trainable_variables))
-            return loss
-
+        step, _ = _floor_step(  # the dtk LM variants track no metric either
+            tf, tf_keras, factory(),
+            tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True), accuracy=False)
         xb, yb = tf.constant(x), tf.constant(y)
         first, times = _timed(lambda: step(xb, yb), steps)
     else:
@@ -299,7 +289,7 @@ def _breakdown(workload: str, iters: int) -> list[tuple[str, float]]:
 
     tf_keras.utils.set_random_seed(0)
     with tf.device("/cpu:0"):
-        floor, plain = _floor_step(tf, tf_keras, hidden, loss_obj)
+        floor, plain = _floor_step(tf, tf_keras, _model(tf_keras, hidden), loss_obj)
         xb, yb = tf.constant(x), tf.constant(y)
     plain_fwd, plain_sgd = parts(plain, lambda m, a, b: loss_obj(b, m(a, training=True)), (xb, yb))
 

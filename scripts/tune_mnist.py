@@ -26,7 +26,8 @@ flags.DEFINE_integer("trials", 4, "Number of trials (hyper-parameter samples).")
 flags.DEFINE_integer("epochs", 3, "Epochs per trial (ASHA's max_t).")
 flags.DEFINE_integer("workers", 1, "Ray workers (DTensor clients) per trial; 1: a plain Tune trial.")
 flags.DEFINE_string("mesh", "batch=4", "Mesh of each trial, over all its workers' devices.")
-flags.DEFINE_string("dataset", "sample", "MNIST source: tfds, idx (with --data_dir) or sample.")
+flags.DEFINE_enum("dataset", "sample", ["tfds", "idx", "sample"],
+                  "MNIST source: tfds, idx (with --data_dir) or sample.")
 flags.DEFINE_string("data_dir", None, "Directory of MNIST IDX files (--dataset idx) or TFDS data.")
 flags.DEFINE_integer("validation_examples", 5000, "Training images held out for validation "
                      "(at most half of the training set).")
@@ -94,9 +95,7 @@ def _multi_client_trial(config: dict) -> None:
     import dtk.ray  # pylint: disable=g-import-not-at-top
 
     workers = config["workers"]
-    spec_devices = 1
-    for part in config["mesh"].split(","):
-        spec_devices *= int(part.split("=")[1])
+    spec_devices = dtk.parse_mesh_spec(config["mesh"]).num_devices
     context = ray.tune.get_context()
     config = {**config, "placement_group_file": _placement_group_file(config, context.get_trial_id())}
     dtk.ray.DTensorTrainer(
@@ -167,8 +166,6 @@ def _check_flags(dtk) -> None:
     if spec.num_devices % FLAGS.workers:
         raise UsageError(f"--mesh {spec} has {spec.num_devices} devices, not divisible by --workers "
                          f"{FLAGS.workers}; each worker must hold the same number of devices")
-    if FLAGS.dataset not in ("tfds", "idx", "sample"):
-        raise UsageError(f"--dataset must be tfds, idx or sample; got {FLAGS.dataset!r}")
     if FLAGS.dataset == "idx" and not (FLAGS.data_dir and os.path.isdir(FLAGS.data_dir)):
         raise UsageError(f"--dataset idx needs --data_dir DIR of MNIST IDX files; got {FLAGS.data_dir!r}")
 
