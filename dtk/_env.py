@@ -136,6 +136,19 @@ def get_flag(name: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
 
 
+# TensorFlow's C++ logging: what dtk's entry points and the workers it starts hide by default.
+# Level 3 hides C++ ERROR lines too: on a model-parallel graph Grappler's cost estimator writes
+# "Incompatible Matrix dimensions" (harmless) on every trace, and a multi-client run's clients
+# write "Failed to send RPC to coordination service" while the lead shuts down. dtk reports real
+# failures as Python exceptions (one ``error:`` line), which this does not touch.
+_QUIET_TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "GRPC_VERBOSITY": "ERROR"}
+
+
+def quiet_tensorflow_env() -> dict[str, str]:
+    """The variables that hide TensorFlow's C++ log lines; a value the user set is kept."""
+    return {name: os.environ.get(name, value) for name, value in _QUIET_TF_ENV.items()}
+
+
 def import_tensorflow_quietly() -> None:
     """Imports TensorFlow with its load-time C++ lines hidden (command-line tools, not verbose).
 

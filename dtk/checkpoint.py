@@ -47,6 +47,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 
 from dtk import cluster
+from dtk import layouts as layouts_lib
 from dtk.errors import first_line
 
 _log = logging.getLogger("dtk")
@@ -344,27 +345,79 @@ def gather_weights(model: tf_keras.Model) -> list[np.ndarray]:
     return [global_value(w) for w in model.weights]
 
 
-def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model]
-               ) -> tf_keras.Model:
+# Not weights of the model: tracking lists, and the random generators' state (dtk builds random
+# layers with TensorFlow's stateful generator; a plain twin has none).
+_NOT_WEIGHTS = (*layouts_lib.TRACKING_ATTRIBUTES, "_random_generator", "_generator")
+
+
+def _weights_by_identity(model: tf_keras.Model) -> dict[str, tf.Variable]:
+    """Every weight of a built model, keyed by where it lives, not by its position in ``weights``.
+
+    Sequential/Functional: ``<layer index>:<layer class>/<attribute path>`` (indexes, not layer
+    names: a second factory call names unnamed layers ``dense_7`` where the first said
+    ``dense_2``); subclassed: the attribute path from the model. A laid-out build may list its
+    weights in another order than a plain one (non-trainable ones notably), so position means
+    nothing.
+    """
+    functional = getattr(model, "_is_graph_network", False) or isinstance(model, tf_keras.Sequential)
+    roots = ([(f"{i}:{type(layer).__name__}/", layer) for i, layer in enumerate(model.layers)]
+             if functional else [("", model)])
+    out: dict[str, tf.Variable] = {}
+    seen = set()
+    for prefix, root in roots:
+        for path, variable in root._flatten(  # pylint: disable=protected-access
+                predicate=lambda o: isinstance(o, tf.Variable), with_path=True):
+            if id(variable) in seen or any(a in path for a in _NOT_WEIGHTS):
+                continue
+            seen.add(id(variable))
+            out[prefix + ".".join(str(p) for p in path)] = variable
+    return out
+
+
+def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model], *,
+               input_shape=None) -> tf_keras.Model:
     """A plain (non-DTensor) twin of ``model`` built by ``model_factory``, with its weights.
 
+    Weights are matched by identity (``_weights_by_identity``), and every shape and dtype is
+    checked, so two weights of one shape can never be swapped.
+
     Raises:
-      ValueError: the factory builds a model whose weights differ in number or shape.
+      ValueError: a weight of one model has no counterpart in the other, or another shape or
+        dtype; the message names the weight.
     """
     twin = model_factory()
-    values = gather_weights(model)
-    if len(twin.weights) != len(values) or any(
-            tuple(w.shape) != v.shape for w, v in zip(twin.weights, values)):
+    if not twin.built:
+        if input_shape is None:
+            raise ValueError("model_factory returned an unbuilt (subclassed) model; pass "
+                             "input_shape= (one example's shape) to build the export twin")
+        twin(tf.zeros([1, *(int(d) for d in input_shape)]))
+    trained, fresh = _weights_by_identity(model), _weights_by_identity(twin)
+    only_trained = sorted(set(trained) - set(fresh))
+    only_fresh = sorted(set(fresh) - set(trained))
+    if only_trained or only_fresh:
         raise ValueError(
-            "model_factory builds a model whose weights do not match the trained model's: "
-            f"{[tuple(w.shape) for w in twin.weights]} vs {[v.shape for v in values]}; pass the "
-            "factory that built the trained model")
-    twin.set_weights(values)
+            f"model_factory() builds a model whose weights differ from the trained model's: "
+            f"trained only {only_trained[:4]}, new build only {only_fresh[:4]}. The factory must "
+            "build the same architecture every time (same layers in the same order)")
+    covered = {id(v) for v in fresh.values()}
+    missing = [w.name for w in twin.weights if id(w) not in covered]
+    if missing:
+        raise ValueError(f"export cannot locate weights {missing[:4]} of the model by attribute "
+                         "path; keep weights as layer attributes (add_weight in build)")
+    for key, variable in fresh.items():
+        value = global_value(trained[key])
+        if tuple(variable.shape) != value.shape or variable.dtype.base_dtype != trained[
+                key].dtype.base_dtype:
+            raise ValueError(
+                f"weight {key}: the trained model has {value.shape} {trained[key].dtype.name}, a "
+                f"new model_factory() build has {tuple(variable.shape)} {variable.dtype.name}; "
+                "the factory must build the same model every time")
+        variable.assign(value)
     return twin
 
 
 def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
-           export_dir: str) -> dict[str, str]:
+           export_dir: str, *, input_shape=None) -> dict[str, str]:
     """Writes ``model.keras`` (plain tf_keras) and ``saved_model/`` (for serving) under export_dir.
 
     In a multi-client run only client 0 writes (every client holds the same global weights), but
@@ -373,7 +426,7 @@ def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
     Returns:
       ``{"keras": path, "saved_model": path}``.
     """
-    twin = plain_copy(model, model_factory)
+    twin = plain_copy(model, model_factory, input_shape=input_shape)
     paths = {"keras": os.path.join(export_dir, "model.keras"),
              "saved_model": os.path.join(export_dir, "saved_model")}
     if cluster.is_lead_client():

@@ -1,15 +1,20 @@
-"""What dtk's command-line tools share: quiet start-up, one ``error:`` line, atomic JSON output.
+"""What dtk's command-line tools share: flags, quiet start-up, output checks, one ``error:`` line.
 
-Used by ``scripts/train_mnist.py`` and ``scripts/train_lm.py`` (and ``dtk-explain``); library code
-never calls it. Flags stay in the scripts: these functions take plain values.
+Used by ``scripts/train_mnist.py``, ``scripts/train_lm.py``, ``scripts/tune_mnist.py`` (and
+``dtk-explain``); library code never calls it. The flags that several scripts take are defined
+once here (``define_flags``), so they have one spelling, one meaning and one help text; a test
+compares the scripts' flags. Only the default may differ by script (each script's own model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +25,197 @@ class UsageError(ValueError):
     """A user error found by a script's own checks: printed as one line, exit status 2."""
 
 
+# -- shared flags ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedFlag:
+    """One flag that several scripts take: its kind (absl DEFINE_*), default and help text."""
+
+    kind: str
+    default: Any
+    help: str
+    enum_values: tuple[str, ...] = ()
+
+
+SHARED_FLAGS: dict[str, SharedFlag] = {
+    "mesh": SharedFlag(kind="string", default="batch=8", help=(
+        "Mesh spec: axis=size pairs in order, e.g. batch=8 or batch=4,model=2 (the 'batch' axis "
+        "shards the data; 'model' shards weights as the layout table says).")),
+    "device": SharedFlag(kind="enum", default="auto", enum_values=("auto", "cpu", "gpu", "tpu"),
+                         help="Device type (auto: TPU > GPU > CPU)."),
+    "virtual_devices": SharedFlag(kind="integer", default=None, help=(
+        "CPU only: logical CPU devices to create per client (default: as many as the mesh "
+        "needs).")),
+    "layout": SharedFlag(kind="string", default=None, help=(
+        "Layout table: a name from layouts/ or a path to a .toml table (default: the model's "
+        "table).")),
+    "seed": SharedFlag(kind="integer", default=0, help=(
+        "Seed for weights and data order (identical on every client).")),
+    "learning_rate": SharedFlag(kind="float", default=None, help=(
+        "Learning rate (default: the model's tuned value).")),
+    "checkpoint_dir": SharedFlag(kind="string", default=None, help=(
+        "Save checkpoints here; re-running with the same directory resumes.")),
+    "restart_from_scratch": SharedFlag(kind="bool", default=False, help=(
+        "Remove the checkpoints in --checkpoint_dir and start again (by default a run resumes "
+        "from them).")),
+    "export_dir": SharedFlag(kind="string", default=None, help=(
+        "Write the trained model as .keras and SavedModel here.")),
+    "tensorboard_dir": SharedFlag(kind="string", default=None, help=(
+        "Write TensorBoard scalars here.")),
+    "summary_json": SharedFlag(kind="string", default=None, help=(
+        "Write a JSON summary of the run to this path (checked before training).")),
+    "explain_layouts": SharedFlag(kind="bool", default=False, help=(
+        "Print where every weight lives and what it costs per device, then exit.")),
+    "device_memory_gb": SharedFlag(kind="float", default=None, help=(
+        "Per-device memory budget in GiB for weights + optimizer state, checked before any "
+        "variable exists.")),
+    "shard_optimizer_state": SharedFlag(kind="bool", default=None, help=(
+        "ZeRO-style update: shard optimizer state and the weight update over the batch axis "
+        "(same numbers, less memory). Default: on where the batch axis has 2+ devices; "
+        "--noshard_optimizer_state turns it off.")),
+    "mixed_precision": SharedFlag(kind="bool", default=False, help=(
+        "Compute in bfloat16 (mixed_bfloat16 policy; float32 outputs).")),
+    "allow_replicated": SharedFlag(kind="bool", default=False, help=(
+        "Accept a --layout table that shards no weight of the model (by default an error: "
+        "everything would train replicated).")),
+}
+
+# What the training scripts both take (tested: same names, same help, same kind).
+TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learning_rate",
+                  "checkpoint_dir", "restart_from_scratch", "export_dir", "tensorboard_dir",
+                  "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
+                  "mixed_precision", "allow_replicated")
+# Output paths: every one is checked before training by ``check_output_path``.
+OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
+OUTPUT_FILE_FLAGS = ("summary_json",)
+
+
+def define_flags(names, **defaults: Any) -> None:
+    """Defines the shared flags ``names`` in absl's global FLAGS (a script's default may differ)."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    for name in names:
+        spec = SHARED_FLAGS[name]
+        default = defaults.pop(name, spec.default)
+        if spec.kind == "enum":
+            flags.DEFINE_enum(name, default, list(spec.enum_values), spec.help)
+        else:
+            getattr(flags, f"DEFINE_{spec.kind}")(name, default, spec.help)
+    if defaults:
+        raise TypeError(f"defaults for flags not defined here: {sorted(defaults)}")
+
+
+def check_shared_flags(values: Callable[[str], Any]) -> None:
+    """Checks the shared flags a script defined; ``values(name)`` reads one (None if undefined).
+
+    Raises:
+      UsageError: a bad value, naming the flag, the value and the fix.
+    """
+    devices = values("virtual_devices")
+    if devices is not None and devices < 1:
+        raise UsageError(f"--virtual_devices must be a positive integer; got {devices} (leave it "
+                         "out to create as many as the mesh needs)")
+    for name in ("learning_rate", "device_memory_gb"):
+        value = values(name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"--{name} must be a positive, finite number; got {value}")
+    for name in OUTPUT_DIR_FLAGS:
+        if values(name):
+            check_output_path(name, values(name), kind="dir")
+    for name in OUTPUT_FILE_FLAGS:
+        if values(name):
+            check_output_path(name, values(name), kind="file")
+
+
+# -- output paths ---------------------------------------------------------------------------------
+def check_output_path(flag: str, path: str, *, kind: str) -> None:
+    """Checks, before any training, that ``path`` can be written: a directory (``kind="dir"``)
+    or a file (``kind="file"``) that exists or can be created, with every missing parent.
+
+    The check creates and removes a probe directory in the nearest existing ancestor rather than
+    reading permission bits: root passes every ``os.access`` test, and ``/proc`` or a read-only
+    mount say "writable" by their bits, yet refuse a write.
+
+    Raises:
+      UsageError: naming the flag, the path, what stands in the way, and the fix.
+    """
+    if kind not in ("dir", "file"):
+        raise ValueError(f"kind must be 'dir' or 'file'; got {kind!r}")
+    path = os.path.abspath(os.path.expanduser(path))
+    if kind == "file":
+        if os.path.isdir(path):
+            raise UsageError(f"--{flag} {path!r} is a directory; give a file path, e.g. "
+                             f"{os.path.join(path, 'summary.json')}")
+        directory = os.path.dirname(path)
+    else:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"--{flag} {path!r} is a file; give a directory")
+        directory = path
+    ancestor = directory
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"--{flag} {path!r} cannot be created: {ancestor!r} is a file, where a "
+                         "directory should be; give another path")
+    try:
+        probe = tempfile.mkdtemp(prefix=".dtk-write-check-", dir=ancestor)
+        os.rmdir(probe)
+    except OSError as e:
+        raise UsageError(f"--{flag} {path!r} is not writable: creating an entry in {ancestor!r} "
+                         f"failed ({os.strerror(e.errno) if e.errno else e}); give a writable "
+                         "path") from None
+
+
+def write_json(path: str, value: Any) -> None:
+    """Writes ``value`` as JSON to ``path`` atomically (a temp file, then a rename).
+
+    Raises:
+      OSError: the write failed (see ``write_summary`` for the fallback).
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_summary(path: str, value: Any) -> int:
+    """Writes the run's summary; if that fails at the end (a disk filled during the run), the
+    summary is kept in a fallback file (or printed) and the error says where. Returns the exit
+    status: 0, or 1 when the summary did not reach ``path``."""
+    try:
+        write_json(path, value)
+        return 0
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+    fallback = os.path.join(tempfile.gettempdir(), f"dtk-summary-{os.getpid()}.json")
+    try:
+        write_json(fallback, value)
+        where = f"it was written to {fallback} instead"
+    except OSError:
+        print(json.dumps(value), flush=True)
+        where = "it was printed above as one JSON line instead"
+    print(f"error: writing --summary_json {path!r} failed after training ({reason}); {where}",
+          file=sys.stderr, flush=True)
+    return 1
+
+
+# -- quiet output ---------------------------------------------------------------------------------
 def setup_output(*, verbose: bool) -> None:
-    """dtk's status lines to stdout; TensorFlow's start-up lines and absl INFO hidden unless
-    ``verbose`` (the user passed ``--verbosity``)."""
+    """dtk's status lines to stdout; TensorFlow's C++ and absl lines hidden unless ``verbose``
+    (the user passed ``--verbosity``). See ``dtk._env.quiet_tensorflow_env``."""
     if not verbose:
         from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
         absl_logging.set_verbosity(absl_logging.ERROR)
+        os.environ.update(_env.quiet_tensorflow_env())
         _env.import_tensorflow_quietly()
+    else:  # --verbosity: show what a launcher started quietly (dtk.launch, Ray) hid
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     log = logging.getLogger("dtk")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -46,15 +235,6 @@ def run_reporting_errors(run: Callable[[], Any]) -> tuple[int, Any]:
         return 2, None
 
 
-def write_json(path: str, value: Any) -> None:
-    """Writes ``value`` as JSON to ``path`` atomically (a temp file, then a rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
          summary_json: str | None) -> int:
     """The ``main`` of a training script: checks argv, sets up output, runs, writes the summary.
@@ -71,5 +251,6 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
     if status == 0 and summary_json and summary:
         from dtk import cluster  # pylint: disable=g-import-not-at-top
         if cluster.is_lead_client():
-            write_json(summary_json, summary)
+            status = write_summary(summary_json, summary)
     return status
+

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -50,7 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dtk import cluster
+from dtk import _env, cluster
 
 _GRACE_S = 3.0      # SIGTERM -> SIGKILL
 _POLL_S = 0.1
@@ -73,6 +74,8 @@ class LaunchConfig:
       max_restarts: relaunches of the whole group after a failure.
       start_timeout_s: every client must build its mesh within this many seconds.
       heartbeat_timeout_s: a client that stops answering fails the others after this long.
+      verbose: keep TensorFlow's C++ log lines in the clients' output (hidden by default: see
+        ``dtk._env.quiet_tensorflow_env``; a user's own ``TF_CPP_MIN_LOG_LEVEL`` is kept).
     """
 
     num_clients: int
@@ -80,6 +83,7 @@ class LaunchConfig:
     max_restarts: int = 0
     start_timeout_s: float = cluster.DEFAULT_REGISTER_TIMEOUT_S
     heartbeat_timeout_s: float = cluster.DEFAULT_HEARTBEAT_TIMEOUT_S
+    verbose: bool = False
 
     def __post_init__(self):
         if self.num_clients < 1:
@@ -88,8 +92,11 @@ class LaunchConfig:
             raise ValueError(f"devices_per_client must be positive; got {self.devices_per_client}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0; got {self.max_restarts}")
-        if self.start_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
-            raise ValueError("start_timeout_s and heartbeat_timeout_s must be positive")
+        for name in ("start_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # NaN fails both comparisons
+                raise ValueError(f"{name} must be a positive, finite number of seconds; got "
+                                 f"{value!r}")
 
 
 def free_ports(n: int) -> list[int]:
@@ -113,6 +120,8 @@ def client_envs(config: LaunchConfig, ports: Sequence[int], ready_dir: str,
     for key in cluster.SCHEDULER_VARIABLES:
         base.pop(key, None)  # the launcher, not a scheduler, describes this cluster
     jobs = [f"127.0.0.1:{p}" for p in ports]
+    if not config.verbose:
+        base.update(_env.quiet_tensorflow_env())
     return [dict(base, PYTHONUNBUFFERED="1", **cluster.client_env(
         jobs=jobs, client=i, register_timeout_s=config.start_timeout_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s, virtual_devices=config.devices_per_client,
@@ -359,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heartbeat_timeout", type=float,
                         default=cluster.DEFAULT_HEARTBEAT_TIMEOUT_S,
                         help="seconds after which a silent client fails the others")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep TensorFlow's C++ log lines in the clients' output")
     parser.add_argument("--network", choices=NETWORK_MODES, default="auto",
                         help="auto (default): isolated where permitted, else host with a warning; "
                         "isolated: run the clients in a private network namespace, unreachable "
@@ -369,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = LaunchConfig(num_clients=args.num_clients,
                               devices_per_client=args.devices_per_client,
                               max_restarts=args.max_restarts, start_timeout_s=args.start_timeout,
-                              heartbeat_timeout_s=args.heartbeat_timeout)
+                              heartbeat_timeout_s=args.heartbeat_timeout, verbose=args.verbose)
         if not command:
             raise ValueError("no command to launch; put it after '--', e.g. "
                              "python -m dtk.launch --num_clients 2 -- python train.py")

@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import _env
+from dtk import _env, op_support
 from dtk import keras_check
 
 try:
@@ -45,8 +45,9 @@ except ModuleNotFoundError:  # Python 3.10
 _log = logging.getLogger("dtk")
 UNSHARDED = "unsharded"
 DEFAULTS = ("replicated", "error")
-_SKIP = ("_self_tracked_trackables", "_trainable_weights", "_non_trainable_weights",
-         "_captured_weight_regularizer")
+TRACKING_ATTRIBUTES = (  # bookkeeping lists that repeat weights found elsewhere
+    "_self_tracked_trackables", "_trainable_weights", "_non_trainable_weights",
+    "_captured_weight_regularizer")
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def weight_paths(model: tf_keras.Model) -> list[tuple[str, tf.Variable]]:
     for prefix, root in roots:
         for path, variable in root._flatten(  # pylint: disable=protected-access
                 predicate=lambda o: isinstance(o, tf.Variable), with_path=True):
-            if any(a in path for a in _SKIP) or id(variable) in seen:
+            if any(a in path for a in TRACKING_ATTRIBUTES) or id(variable) in seen:
                 continue
             seen.add(id(variable))
             out.append((prefix + ".".join(str(p) for p in path), variable))
@@ -448,7 +449,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     tf_keras.backend.experimental.enable_tf_random_generator()
     names.restore()  # unnamed layers get the same names (dense_3 ...) as in the plain build
     try:
-        with layout_map.scope():
+        # Preprocessing state (Normalization's adapted mean and variance) comes from the plain
+        # build with the other weights: adapt() and finalize_state() wait until it is copied.
+        with layout_map.scope(), _preprocessing_deferred():
             model = model_factory()
             if not model.built:
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
@@ -467,6 +470,10 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "of the laid-out build is missing or has another shape in the plain "
                              "build; the factory must build the same model every time")
         _assign_global(variable, values[path])
+    _finalize_preprocessing(model)
+    _place_constants(model, mesh)
+    for line in op_support.adapt_layers(model):
+        _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).
         if isinstance(layer, tf_keras.layers.LayerNormalization):
@@ -474,6 +481,83 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+def _preprocessing_classes() -> list[type]:
+    from tf_keras.src.engine import base_preprocessing_layer  # pylint: disable=g-import-not-at-top
+    found, todo = [], [base_preprocessing_layer.PreprocessingLayer]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+class _preprocessing_deferred:  # pylint: disable=invalid-name
+    """While the laid-out model is built: ``adapt()`` and ``finalize_state()`` of preprocessing
+    layers do nothing.
+
+    Under a layout scope the layers' state variables exist only as placeholders until dtk lays
+    them out, so ``finalize_state`` (called by ``Normalization.build``) fails with "Input to
+    reshape is a tensor with 0 values" and ``adapt()`` in a factory fails too. The plain build
+    ran the user's ``adapt()``; its state is copied with the other weights, then
+    ``_finalize_preprocessing`` runs.
+    """
+
+    def __enter__(self):
+        self._saved = []
+        for cls in _preprocessing_classes():
+            for name in ("adapt", "finalize_state"):
+                if name in cls.__dict__:
+                    self._saved.append((cls, name, cls.__dict__[name]))
+                    setattr(cls, name, _placeholder_state if name == "finalize_state" else
+                            lambda self, *a, **k: None)
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, method in self._saved:
+            setattr(cls, name, method)
+
+
+def _placeholder_state(layer, *args, **kwargs) -> None:
+    """``finalize_state`` while the laid-out model is built: placeholders of the right shape for
+    the constants a layer derives from its state (the build's symbolic call reads them)."""
+    del args, kwargs
+    if isinstance(layer, tf_keras.layers.Normalization) and layer.input_mean is None and \
+            layer.built:
+        layer.mean = tf.zeros(layer._broadcast_shape, layer.compute_dtype)  # pylint: disable=protected-access
+        layer.variance = tf.ones(layer._broadcast_shape, layer.compute_dtype)  # pylint: disable=protected-access
+
+
+def _finalize_preprocessing(model: tf_keras.Model) -> None:
+    """Derives preprocessing layers' constants (Normalization's broadcast mean and variance) from
+    their laid-out state, now that it holds the plain build's values."""
+    classes = tuple(_preprocessing_classes())
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if isinstance(layer, classes) and layer.built:
+            layer.finalize_state()
+
+
+def _place_constants(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
+    """Puts the constant tensors that layers hold as attributes on the mesh, replicated.
+
+    A step captures them, and DTensor refuses a regular tensor among DTensors ("expecting a
+    DTensor ... use copy_to_mesh"): e.g. ``Normalization(mean=..., variance=...)`` keeps its
+    mean and variance as constants.
+    """
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, tf.Tensor) and not isinstance(value, tf.Variable) and \
+                    hasattr(value, "numpy") and _layout_of(value) is None:
+                placed = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(mesh, value.shape.rank))
+                object.__setattr__(layer, name, placed)
+
+
+def _layout_of(tensor) -> dtensor.Layout | None:
+    try:
+        return dtensor.fetch_layout(tensor)
+    except (tf.errors.InvalidArgumentError, ValueError):
+        return None
 
 
 class _layer_name_counters:  # pylint: disable=invalid-name

@@ -34,6 +34,9 @@ OPTIMIZERS: dict[str, str] = {
     "lion": "Lion",
     "adafactor": "Adafactor",
 }
+# State tensors per weight of each optimizer with its defaults, for memory estimates (the plan).
+SLOTS: dict[str, int] = {"sgd": 0, "adam": 2, "adamw": 2, "rmsprop": 1, "adagrad": 1,
+                         "adadelta": 2, "adamax": 2, "ftrl": 2, "lion": 1, "adafactor": 2}
 # Optimizers that run under DTensor but do not match single-device training (dtensor-notes).
 _UNSUPPORTED_OPTIMIZERS = {
     "nadam": "it keeps a plain tf.Variable (its momentum-decay product) that DTensor does not "

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import re
 import shutil
@@ -71,11 +72,15 @@ class DTensorConfig(BackendConfig):
         2 workers x 4 = a ``batch=8`` mesh on CPUs). None: the worker's real CPU device (1).
       start_timeout_s: how long clients wait for each other at start-up before failing.
       heartbeat_timeout_s: how soon the other clients fail when one dies.
+      verbose: keep TensorFlow's C++ lines and DTensor's start-up INFO lines (its whole server
+        configuration, device lists) in the workers' logs. By default a worker says one line:
+        its client id and devices.
     """
 
     devices_per_worker: int | None = None
     start_timeout_s: float = cluster.DEFAULT_REGISTER_TIMEOUT_S
     heartbeat_timeout_s: float = cluster.DEFAULT_HEARTBEAT_TIMEOUT_S
+    verbose: bool = False
 
     def __post_init__(self):
         if self.devices_per_worker is not None and (
@@ -145,17 +150,30 @@ def worker_envs(addresses: list[dict[str, Any]], config: DTensorConfig) -> list[
             virtual_devices=config.devices_per_worker if not a["gpus"] else None)
         if a["gpus"]:
             env[_env.GPU_NCCL_ENV] = os.environ.get(_env.GPU_NCCL_ENV, "1")
+        if not config.verbose:
+            env.update(_env.quiet_tensorflow_env())
         envs.append(env)
     return envs
 
 
-def _set_env(env: dict[str, str]) -> None:
-    """Runs on a worker: becomes a DTensor client (TF_CONFIG would describe another contract)."""
+def _set_env(env: dict[str, str], verbose: bool = False) -> None:
+    """Runs on a worker: becomes a DTensor client (TF_CONFIG would describe another contract).
+
+    Unless ``verbose``, TensorFlow's Python INFO lines (DTensor logs its whole server
+    configuration and device lists at start-up) are hidden, and the worker says one line.
+    """
     if _tensorflow_initialized():
         raise RuntimeError(f"TensorFlow initialized in worker pid {os.getpid()} before the DTensor "
                            "backend set its client environment")
     os.environ.update(env)
     os.environ.pop("TF_CONFIG", None)
+    if not verbose:
+        logging.getLogger("tensorflow").setLevel(logging.WARNING)
+        clients = len(env["DTENSOR_JOBS"].split(","))
+        devices = (f"{env[_env.VIRTUAL_DEVICES]} virtual CPU devices"
+                   if _env.VIRTUAL_DEVICES in env else "its local devices")
+        print(f"dtk: Ray Train worker pid {os.getpid()} is DTensor client "
+              f"{env['DTENSOR_CLIENT_ID']} of {clients}, with {devices}", flush=True)
 
 
 class _DTensorBackend(Backend):
@@ -164,7 +182,7 @@ class _DTensorBackend(Backend):
     def on_start(self, worker_group, backend_config: DTensorConfig):
         addresses = worker_group.execute(_reserve_address)
         envs = worker_envs(addresses, backend_config)
-        ray.get([worker_group.execute_single_async(rank, _set_env, env)
+        ray.get([worker_group.execute_single_async(rank, _set_env, env, backend_config.verbose)
                  for rank, env in enumerate(envs)])
 
 

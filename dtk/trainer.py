@@ -39,6 +39,7 @@ from dtk import cluster
 from dtk.errors import first_line
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
+from dtk import op_support
 from dtk import keras_check
 from dtk.input import DataSource, DistributedDataset
 from dtk.mesh import BATCH_AXIS
@@ -195,6 +196,7 @@ class Trainer:
             raise TypeError(f"config must be a dtk.TrainerConfig; got {type(config).__name__}")
         self.mesh = mesh
         self.config = config
+        self._input_shape = input_shape
         self.layout_plan = None
         mesh_lib.check_batch_axis(mesh, config.batch_axis, what="TrainerConfig.batch_axis")
         keras_check.require_keras2(model, "model")
@@ -351,6 +353,9 @@ class Trainer:
             return self._epoch_loop(data, epoch, skip, steps_per_epoch, on_step_end, progbar)
         except tf.errors.OpError as e:
             context.async_clear_error()  # else every later DTensor call in the process fails
+            unsupported = op_support.explain_failure(str(e), self.model)
+            if unsupported:
+                raise ValueError(unsupported) from e
             # DTensor runs steps asynchronously: the failure may surface a step or two later.
             raise ValueError(f"a step failed in epoch {epoch + 1}, at or before step "
                              f"{self.global_step + 1}: {first_line(e)}{_RESTART_NOTE}") from e
@@ -515,7 +520,8 @@ class Trainer:
         if self.model_factory is None:
             raise ValueError("export needs the model factory: pass model_factory= to Trainer when "
                              "giving a built model")
-        return ckpt_lib.export(self.model, self.model_factory, export_dir)
+        return ckpt_lib.export(self.model, self.model_factory, export_dir,
+                               input_shape=self._input_shape)
 
     # -- output -----------------------------------------------------------------------------------
     def _summary_writer(self):

@@ -19,13 +19,13 @@ import time
 
 from absl import app, flags
 
+from dtk import cli
 from dtk.cli import UsageError
 
 _START = time.perf_counter()
 FLAGS = flags.FLAGS
-flags.DEFINE_string("mesh", "batch=2,model=4", "Mesh spec, e.g. batch=8 or batch=2,model=4.")
-flags.DEFINE_enum("device", "auto", ["auto", "cpu", "gpu", "tpu"], "Device type.")
-flags.DEFINE_string("layout", "transformer_lm", "Layout table (name or .toml path).")
+cli.define_flags(cli.TRAINING_FLAGS, mesh="batch=2,model=4", layout="transformer_lm",
+                 learning_rate=3e-3)
 flags.DEFINE_integer("seq_len", 128, "Bytes per training window.")
 flags.DEFINE_integer("dim", 128, "Model width.")
 flags.DEFINE_integer("heads", 8, "Attention heads (a multiple of the model axis).")
@@ -34,22 +34,12 @@ flags.DEFINE_integer("global_batch_size", 32, "Windows per step over the whole m
 flags.DEFINE_integer("steps", 600, "Training steps in all.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate the held-out loss every this many steps.")
 flags.DEFINE_integer("eval_batches", 20, "Held-out batches per evaluation.")
-flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate.")
 flags.DEFINE_float("dropout", 0.0, "Dropout rate (differs between mesh shapes when > 0).")
-flags.DEFINE_integer("seed", 0, "Seed for weights and data order.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
-flags.DEFINE_string("checkpoint_dir", None, "Save at every evaluation; re-running resumes.")
-flags.DEFINE_bool("shard_optimizer_state", None, "ZeRO-style sharded optimizer update (default: "
-                  "on where the batch axis has 2+ devices; --noshard_optimizer_state turns it off).")
-flags.DEFINE_bool("mixed_precision", False, "Compute in bfloat16 (float32 logits).")
-flags.DEFINE_float("device_memory_gb", None, "Per-device memory budget for weights + optimizer "
-                   "state, checked before any variable exists.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
-flags.DEFINE_float("temperature", 0.7, "Sampling temperature (0: greedy, which repeats itself "
-                   "on a small model).")
-flags.DEFINE_string("summary_json", None, "Write a JSON summary here.")
-flags.DEFINE_bool("explain_layouts", False, "Print where every weight lives and exit.")
+flags.DEFINE_float("temperature", 0.7, "Sampling temperature: > 0 samples, 0 is greedy (which "
+                   "repeats itself on a small model).")
 
 
 
@@ -61,14 +51,13 @@ def _check_flags():
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     if FLAGS.dim % FLAGS.heads:
         raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
+    if not 0 <= FLAGS.temperature < float("inf"):
+        raise UsageError(f"--temperature must be >= 0 (0: greedy); got {FLAGS.temperature}")
     if not 0 <= FLAGS.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1); got {FLAGS.dropout}")
-    if not FLAGS.learning_rate > 0 or FLAGS.learning_rate == float("inf"):
-        raise UsageError(f"--learning_rate must be a positive, finite number; got {FLAGS.learning_rate}")
     if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
         raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
-    if FLAGS.summary_json and os.path.isdir(FLAGS.summary_json):
-        raise UsageError(f"--summary_json {FLAGS.summary_json!r} is a directory; give a file path")
+    cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
     if not FLAGS.prompt:
         raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
     if len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
@@ -114,9 +103,17 @@ def run() -> dict:
 
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
-        mesh = dtk.build_mesh(spec, device_type=FLAGS.device)
+        if dtk.BATCH_AXIS not in spec.axis_names:
+            raise ValueError(f"it has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
+                             f"inputs are sharded on; add one, e.g. {dtk.BATCH_AXIS}=1,{spec}")
+        mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
+                              virtual_devices=FLAGS.virtual_devices)
     except ValueError as e:
         raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
+    try:
+        table = layouts.load_table(FLAGS.layout)
+    except ValueError as e:
+        raise UsageError(f"--layout: {e}") from None
     lead = dtk.cluster.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
     say(dtk.describe_mesh(mesh), flush=True)
@@ -125,7 +122,7 @@ def run() -> dict:
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
                                 dropout=FLAGS.dropout)
-    plan = layouts.plan_layouts(FLAGS.layout, mesh, factory)
+    plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
@@ -158,9 +155,12 @@ def run() -> dict:
     optimizer = dtk.make_optimizer("adamw", mesh, learning_rate=FLAGS.learning_rate,
                                    weight_decay=0.01, global_clipnorm=1.0)
     trainer = dtk.Trainer(
-        mesh=mesh, model=factory, layout=FLAGS.layout, optimizer=optimizer,
+        mesh=mesh, model=factory, layout=table, optimizer=optimizer,
+        allow_replicated=FLAGS.allow_replicated,
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         config=dtk.TrainerConfig(seed=FLAGS.seed, checkpoint_dir=FLAGS.checkpoint_dir,
+                                 tensorboard_dir=FLAGS.tensorboard_dir,
+                                 restart_from_scratch=FLAGS.restart_from_scratch,
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0))
@@ -192,7 +192,9 @@ def run() -> dict:
         sample = generate(trainer, mesh, FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
                           n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
         say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
+    exported = trainer.export(FLAGS.export_dir) if FLAGS.export_dir else None
     return {
+        "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.num_clients(), "layout": FLAGS.layout,
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,

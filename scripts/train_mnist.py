@@ -21,52 +21,28 @@ import time
 
 from absl import app, flags
 
+from dtk import cli
 from dtk.cli import UsageError
 
 _START = time.perf_counter()
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("mesh", "batch=8", "Mesh spec: axis=size pairs in order, e.g. batch=8 or "
-                    "batch=4,model=2.")
-flags.DEFINE_enum("device", "auto", ["auto", "cpu", "gpu", "tpu"],
-                  "Device type (auto: TPU > GPU > CPU).")
-flags.DEFINE_integer("virtual_devices", None, "CPU only: logical CPU devices to create per client "
-                     "(default: as many as the mesh needs).")
+cli.define_flags(cli.TRAINING_FLAGS)
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model: the tutorial MLP or a small CNN.")
-flags.DEFINE_string("layout", None, "Layout table: a name from layouts/ or a path to a table file "
-                    "(default: the model's table, data_parallel for mlp, cnn_data_parallel for cnn).")
 flags.DEFINE_enum("dataset", "tfds", ["tfds", "idx", "sample"], "Data source: tensorflow_datasets "
                   "(falls back to the bundled sample when offline and no --data_dir), LeCun IDX "
                   "files in --data_dir, or the sample bundled with dtk (2,000 + 1,000 images).")
 flags.DEFINE_string("data_dir", None, "TFDS data dir, or the directory of IDX files.")
 flags.DEFINE_integer("epochs", 3, "Epochs to train.")
 flags.DEFINE_integer("global_batch_size", 128, "Global batch size (a multiple of the batch axis).")
-flags.DEFINE_float("learning_rate", None, "Learning rate (default: tuned per model and optimizer, "
-                   "see dtk.models.MODEL_SPECS).")
 flags.DEFINE_string("optimizer", None, "Optimizer name: sgd, adam, adamw, rmsprop, adagrad, ... "
                     "(default: sgd for mlp, adam for cnn).")
-flags.DEFINE_integer("seed", 0, "Seed for weights and data order (identical on every client).")
 flags.DEFINE_string("steps_per_execution", "auto", "Training steps per compiled call: auto (chosen "
                     "from measured call overhead and step time) or a positive integer.")
-flags.DEFINE_bool("shard_optimizer_state", None, "ZeRO-style update: shard optimizer state and "
-                  "the weight update over the batch axis (same numbers, less memory, faster). "
-                  "Default: on where the batch axis has 2+ devices; --noshard_optimizer_state "
-                  "turns it off.")
-flags.DEFINE_bool("mixed_precision", False, "Compute in bfloat16 (mixed_bfloat16 policy).")
-flags.DEFINE_string("checkpoint_dir", None, "Save every epoch here; re-running with it resumes.")
-flags.DEFINE_string("export_dir", None, "Write the trained model as .keras and SavedModel here.")
-flags.DEFINE_string("tensorboard_dir", None, "Write TensorBoard scalars here.")
-flags.DEFINE_bool("explain_layouts", False, "Print the layout table of every weight and exit.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many training steps in all.")
-flags.DEFINE_string("summary_json", None, "Write a JSON summary of the run to this path.")
 flags.DEFINE_bool("augment", False, "Randomly shift training images by up to 2 pixels, in the "
                   "tf.data pipeline (new shifts every epoch).")
-flags.DEFINE_bool("restart_from_scratch", False, "Remove the checkpoints in --checkpoint_dir and "
-                  "start again (by default a run resumes from them).")
-flags.DEFINE_bool("allow_replicated", False, "Accept a --layout table that shards no weight of "
-                  "the model (by default an error: everything would train replicated).")
 
-_OUTPUT_DIRS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 
 
 
@@ -86,16 +62,10 @@ def _check_flags(dtk) -> tuple:
         raise UsageError(f"--steps_per_execution must be auto or a positive integer; got {spe}")
     if FLAGS.max_steps is not None and FLAGS.max_steps < 1:
         raise UsageError(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
-    if FLAGS.virtual_devices is not None and FLAGS.virtual_devices < 1:
-        raise UsageError(f"--virtual_devices must be a positive integer; got {FLAGS.virtual_devices} "
-                    "(leave it out to create as many as the mesh needs)")
-    lr = FLAGS.learning_rate
-    if lr is not None and not (lr > 0 and lr != float("inf")):
-        raise UsageError(f"--learning_rate must be a positive, finite number; got {lr}")
     if dtk.BATCH_AXIS not in spec.axis_names:
         raise UsageError(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
                     f"inputs are sharded on; add one, e.g. --mesh {dtk.BATCH_AXIS}=1,{spec}")
-    _check_outputs()
+    cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
     batch_size = dict(spec.axes).get(dtk.BATCH_AXIS, 1)
     if FLAGS.global_batch_size % batch_size:
         raise UsageError(f"--global_batch_size {FLAGS.global_batch_size} is not divisible by mesh axis "
@@ -120,31 +90,6 @@ def _check_flags(dtk) -> tuple:
         raise UsageError(f"--layout: {e}") from None
     _check_cores(spec)
     return spec, table
-
-
-def _writable_dir(flag: str, path: str) -> None:
-    """Checks that ``path`` is (or can be created as) a writable directory, without leaving it."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--{flag} {path!r} is a file; give a directory")
-    parent = path
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--{flag} {path!r} is not writable (no write permission on {parent!r}); "
-                    "give a writable path")
-
-
-def _check_outputs() -> None:
-    """Output paths are checked before any training, so a run never fails at its end."""
-    for flag in _OUTPUT_DIRS:
-        if getattr(FLAGS, flag):
-            _writable_dir(flag, getattr(FLAGS, flag))
-    path = FLAGS.summary_json
-    if path:
-        if path.endswith(os.sep) or os.path.isdir(path):
-            raise UsageError(f"--summary_json {path!r} is a directory; give a file path, e.g. "
-                        f"{os.path.join(path, 'summary.json')}")
-        _writable_dir("summary_json", os.path.dirname(os.path.abspath(path)))
 
 
 def _check_cores(spec) -> None:
@@ -184,7 +129,7 @@ def run() -> dict:
 
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, mnist, models  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, mnist, models, optimizers  # pylint: disable=g-import-not-at-top
 
     try:
         mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
@@ -199,10 +144,18 @@ def run() -> dict:
     model_spec = models.MODEL_SPECS[FLAGS.model]
     factory = model_spec.factory
 
-    if FLAGS.explain_layouts:
+    optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
+    if FLAGS.explain_layouts or FLAGS.device_memory_gb:
         plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated)
-        print(layouts.explain(plan))
-        return {}
+        if FLAGS.device_memory_gb:
+            layouts.check_memory_budget(
+                plan, FLAGS.device_memory_gb * 2 ** 30,
+                optimizer_slots=optimizers.SLOTS.get(optimizer_name, 2),
+                shard_optimizer_state=(FLAGS.shard_optimizer_state is not False
+                                       and mesh.dim_size(dtk.BATCH_AXIS) > 1))
+        if FLAGS.explain_layouts:
+            print(layouts.explain(plan))
+            return {}
 
     spe = "auto" if FLAGS.steps_per_execution == "auto" else int(FLAGS.steps_per_execution)
     train_raw = mnist.load_mnist("train", source=FLAGS.dataset, data_dir=FLAGS.data_dir)
@@ -217,7 +170,6 @@ def run() -> dict:
         global_batch_size=FLAGS.global_batch_size, remainder="pad",
         num_classes=model_spec.num_classes))
 
-    optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
     learning_rate = FLAGS.learning_rate or model_spec.learning_rate(optimizer_name)
     optimizer = dtk.make_optimizer(optimizer_name, mesh, learning_rate=learning_rate)
     trainer = dtk.Trainer(

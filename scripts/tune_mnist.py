@@ -19,26 +19,25 @@ import tempfile
 
 from absl import app, flags
 
+from dtk import cli
 from dtk.cli import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("trials", 4, "Number of trials (hyper-parameter samples).")
 flags.DEFINE_integer("epochs", 3, "Epochs per trial (ASHA's max_t).")
 flags.DEFINE_integer("workers", 1, "Ray workers (DTensor clients) per trial; 1: a plain Tune trial.")
-flags.DEFINE_string("mesh", "batch=4", "Mesh of each trial, over all its workers' devices.")
+cli.define_flags(("mesh", "seed", "summary_json"), mesh="batch=4")  # mesh: each trial's, over its workers
 flags.DEFINE_enum("dataset", "sample", ["tfds", "idx", "sample"],
                   "MNIST source: tfds, idx (with --data_dir) or sample.")
 flags.DEFINE_string("data_dir", None, "Directory of MNIST IDX files (--dataset idx) or TFDS data.")
 flags.DEFINE_integer("validation_examples", 5000, "Training images held out for validation "
                      "(at most half of the training set).")
 flags.DEFINE_integer("concurrent", 1, "Trials run at once (each takes --workers CPUs).")
-flags.DEFINE_integer("seed", 0, "Seed of the search and of every trial.")
 flags.DEFINE_string("address", None, "Ray cluster address (e.g. auto); default: a local Ray on "
                     "127.0.0.1 with --num_cpus.")
 flags.DEFINE_integer("num_cpus", None, "CPUs of the local Ray (default: this machine's).")
 flags.DEFINE_string("storage_path", None, "Where Tune and Train keep results and checkpoints "
                     "(shared storage on a cluster; default: a temp dir).")
-flags.DEFINE_string("summary_json", None, "Write the results as JSON to this path.")
 
 
 def train_trial(config: dict) -> None:
@@ -56,7 +55,10 @@ def train_trial(config: dict) -> None:
     model_spec = models.MODEL_SPECS["mlp"]
     full = mnist.load_mnist("train", source=config["dataset"], data_dir=config["data_dir"])
     count = int(full.cardinality())
-    held = min(config["validation_examples"], count // 2)
+    held = config["validation_examples"]
+    if held > count // 2:  # checked here: the data set's size is known once it is loaded
+        raise ValueError(f"--validation_examples {held} is more than half of the {count} "
+                         f"training images; use at most {count // 2}")
     batch = config["global_batch_size"]
     train = input_lib.DistributedDataset(full.take(count - held), mesh, input_lib.InputConfig(
         global_batch_size=batch, remainder="drop", shuffle=True, seed=config["seed"],
@@ -156,7 +158,11 @@ def _release_callback():
 
 
 def _check_flags(dtk) -> None:
-    for name in ("trials", "epochs", "workers", "concurrent"):
+    cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
+    if FLAGS.num_cpus is not None and FLAGS.num_cpus < 1:
+        raise UsageError(f"--num_cpus must be a positive integer; got {FLAGS.num_cpus} (leave it "
+                         "out to use this machine's CPUs)")
+    for name in ("trials", "epochs", "workers", "concurrent", "validation_examples"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     try:

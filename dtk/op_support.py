@@ -1,0 +1,424 @@
+"""TensorFlow ops that DTensor cannot lay out, and the equivalents dtk runs in their place.
+
+DTensor's SPMD expansion lacks a layout propagation rule for some ops, forward or gradient. A
+step that uses one fails at its first call with an MLIR message (``'tf.AvgPoolGrad' op does not
+implement layout propagation``) that names no layer. dtk keeps the table of such ops here
+(``UNSUPPORTED_OPS``), with the Keras layers that create them and what dtk does about each:
+
+- an **equivalent** built from ops DTensor has, applied to the laid-out model's layers by
+  ``adapt_layers`` (the user's model code does not change; the plain model and the export are
+  untouched). Each is tested for equal values and gradients against the original op;
+- or a **refusal before the first step**, naming the layer, the op and what to do
+  (``check_layers``), where no equivalent exists.
+
+A failure that still reaches DTensor is mapped back to the op and the layer by ``explain_failure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import types
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+_log = logging.getLogger("dtk")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnsupportedOp:
+    """One TF op DTensor's SPMD expansion lacks, the layers that use it, and dtk's answer."""
+
+    op: str
+    layers: tuple[str, ...]
+    handling: str
+
+
+UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
+    UnsupportedOp(
+        op="DepthwiseConv2dNativeBackpropFilter",
+        layers=("DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv2D", "SeparableConv1D"),
+        handling="equivalent: the native depthwise convolution forward and input gradient, the "
+                 "filter gradient as a sum over kernel taps of strided slices (dtk.op_support."
+                 "depthwise_conv2d)"),
+    UnsupportedOp(
+        op="DepthwiseConv2dNativeBackpropInput",
+        layers=("DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv2D", "SeparableConv1D"),
+        handling="equivalent: the input gradient as each kernel tap's contribution put back at "
+                 "its input positions (pads and reshapes; dtk.op_support.depthwise_conv2d)"),
+    UnsupportedOp(
+        op="AvgPoolGrad",
+        layers=("AveragePooling2D", "AveragePooling1D"),
+        handling="equivalent: average pooling as a reshape and mean (pool = strides, 'valid'), "
+                 "else a sum of strided slices over the window divided by the window's count "
+                 "(dtk.op_support.avg_pool)"),
+    UnsupportedOp(
+        op="AvgPool3DGrad",
+        layers=("AveragePooling3D",),
+        handling="equivalent: as AvgPoolGrad, in three dims"),
+    UnsupportedOp(
+        op="TensorListFromTensor",
+        layers=("LSTM", "GRU", "SimpleRNN", "RNN", "Bidirectional", "ConvLSTM1D", "ConvLSTM2D",
+                "ConvLSTM3D"),
+        handling="fallback: the recurrent loop unrolled (unroll=True, same values) where the "
+                 "sequence length is static; refused before the first step otherwise"),
+    UnsupportedOp(
+        op="Bucketize",
+        layers=("Discretization",),
+        handling="equivalent (output_mode='int'): the bucket index as the count of boundaries "
+                 "<= x (comparisons and a sum); refused before the first step in other modes"),
+    UnsupportedOp(
+        op="ReverseV2",
+        layers=("RandomFlip",),
+        handling="refused before the first step: augment in the tf.data pipeline instead"),
+    UnsupportedOp(
+        op="ImageProjectiveTransformV3",
+        layers=("RandomRotation", "RandomTranslation", "RandomZoom"),
+        handling="refused before the first step: augment in the tf.data pipeline instead"),
+    UnsupportedOp(
+        op="FusedBatchNormV3",
+        layers=("BatchNormalization", "LayerNormalization"),
+        handling="equivalent: the unfused formulation (moments, then the affine transform)"),
+)}
+
+_PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
+
+
+# -- equivalents ----------------------------------------------------------------------------------
+def _same_padding(size: int, kernel: int, stride: int, dilation: int = 1) -> tuple[int, int, int]:
+    """(output size, pad before, pad after) of TensorFlow's 'SAME' padding on one dim."""
+    effective = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + effective - size, 0)
+    return out, total // 2, total - total // 2
+
+
+def _valid_size(size: int, kernel: int, stride: int, dilation: int = 1) -> int:
+    return (size - ((kernel - 1) * dilation + 1)) // stride + 1
+
+
+def _pads(shape, kernel, strides, padding, dilations=(1, 1)):
+    """Output sizes and [before, after] pads of the two spatial dims of an NHWC tensor."""
+    outs, pads = [], []
+    for size, k, s, d in zip(shape[1:3], kernel, strides, dilations):
+        if padding == "SAME":
+            out, before, after = _same_padding(int(size), int(k), int(s), int(d))
+        else:
+            out, before, after = _valid_size(int(size), int(k), int(s), int(d)), 0, 0
+        outs.append(out)
+        pads.append([before, after])
+    return outs, pads
+
+
+def _tap(x_padded, i, j, outs, strides, dilations):
+    """The input window of kernel tap (i, j) for every output position: [B, Ho, Wo, C]."""
+    top, left = i * dilations[0], j * dilations[1]
+    return x_padded[:, top:top + (outs[0] - 1) * strides[0] + 1:strides[0],
+                    left:left + (outs[1] - 1) * strides[1] + 1:strides[1], :]
+
+
+def _untap(values, i, j, padded_shape, outs, strides):
+    """The transpose of ``_tap``: ``values`` [B, Ho, Wo, C] put back at the input positions of
+    kernel tap (i, j) in a zero tensor of the padded input's shape (DepthwiseConv2dNative's input
+    gradient, which DTensor lacks too, is the sum of these over the taps)."""
+    sh, sw = strides
+    if sh > 1 or sw > 1:  # spread rows and columns stride apart, zeros between
+        # (reshape, not values[:, :, None]: DTensor's strided slice cannot add an axis)
+        values = tf.reshape(values, [-1, outs[0], 1, outs[1], 1, values.shape[-1]])
+        values = tf.pad(values, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
+        values = tf.reshape(values, [-1, outs[0] * sh, outs[1] * sw, values.shape[-1]])
+        values = values[:, :(outs[0] - 1) * sh + 1, :(outs[1] - 1) * sw + 1, :]
+    rows, cols = int(values.shape[1]), int(values.shape[2])
+    return tf.pad(values, [[0, 0], [i, int(padded_shape[1]) - i - rows],
+                           [j, int(padded_shape[2]) - j - cols], [0, 0]])
+
+
+def depthwise_conv2d(x, kernel, *, strides=(1, 1), padding="VALID", dilations=(1, 1)):
+    """``tf.nn.depthwise_conv2d`` (NHWC) whose gradients DTensor can lay out.
+
+    Same values and gradients. The forward pass is the native kernel. DTensor lacks both of its
+    gradients (``DepthwiseConv2dNativeBackpropFilter`` and ``...BackpropInput``); dtk computes
+    them per kernel tap: the filter gradient from a strided slice of the padded input and the
+    output gradient, summed over batch and positions (an all-reduce over the batch axis), and
+    the input gradient by putting each tap's contribution back at its input positions (pads and
+    reshapes). With dilation the whole convolution is the sum over taps (autodiff).
+    """
+    padding = padding.upper()
+    strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
+    kh, kw, channels, multiplier = (int(d) for d in kernel.shape)
+    outs, pads = _pads(x.shape, (kh, kw), strides, padding, dilations)
+
+    def taps_sum(x, kernel):
+        xp = tf.pad(x, [[0, 0], pads[0], pads[1], [0, 0]])
+        total = 0
+        for i in range(kh):
+            for j in range(kw):
+                window = _tap(xp, i, j, outs, strides, dilations)  # [B, Ho, Wo, C]
+                term = tf.expand_dims(window, -1) * kernel[i, j]    # [B, Ho, Wo, C, M]
+                total = total + term
+        return tf.reshape(total, [-1, outs[0], outs[1], channels * multiplier])
+
+    if dilations != (1, 1):
+        return taps_sum(x, kernel)
+
+    @tf.custom_gradient
+    def conv(x, kernel):
+        y = tf.nn.depthwise_conv2d(x, kernel, [1, *strides, 1], padding)
+
+        def grad(dy):
+            xp = tf.pad(x, [[0, 0], pads[0], pads[1], [0, 0]])
+            dy5 = tf.reshape(dy, [-1, outs[0], outs[1], channels, multiplier])
+            rows, dx = [], 0
+            for i in range(kh):
+                row = []
+                for j in range(kw):
+                    window = _tap(xp, i, j, outs, strides, dilations)
+                    row.append(tf.einsum("bhwc,bhwcm->cm", window, dy5))
+                    dx = dx + _untap(tf.einsum("bhwcm,cm->bhwc", dy5, kernel[i, j]), i, j,
+                                     xp.shape, outs, strides)
+                rows.append(tf.stack(row))
+            height, width = int(x.shape[1]), int(x.shape[2])
+            dx = dx[:, pads[0][0]:pads[0][0] + height, pads[1][0]:pads[1][0] + width, :]
+            return dx, tf.stack(rows)
+
+        return y, grad
+
+    return conv(x, kernel)
+
+
+def avg_pool(x, ksize, strides, padding, data_format="NHWC"):
+    """``tf.nn.avg_pool`` on NHWC inputs whose gradient DTensor can lay out.
+
+    Non-overlapping 'VALID' windows (pool size = strides, the common case) are a reshape and a
+    mean; other windows are the sum over the window's taps of strided slices, divided by how
+    many real (non-padding) inputs each window covers, as TensorFlow's kernel does.
+    """
+    if data_format not in ("NHWC", "channels_last", None):
+        raise ValueError(f"dtk's average pooling takes channels_last (NHWC) inputs; got "
+                         f"data_format={data_format!r}")
+    ksize, strides = _two(ksize), _two(strides)
+    padding = padding.upper()
+    height, width, channels = (int(d) for d in x.shape[1:])
+    if padding == "VALID" and ksize == strides:
+        rows, cols = height // ksize[0], width // ksize[1]
+        x = x[:, :rows * ksize[0], :cols * ksize[1], :]
+        x = tf.reshape(x, [-1, rows, ksize[0], cols, ksize[1], channels])
+        return tf.reduce_mean(x, axis=[2, 4])
+    outs, pads = _pads(x.shape, ksize, strides, padding)
+    xp = tf.pad(x, [[0, 0], pads[0], pads[1], [0, 0]])
+    ones = np.pad(np.ones((height, width), np.float64), pads)
+    total, count = 0, np.zeros(outs, np.float64)
+    for i in range(ksize[0]):
+        for j in range(ksize[1]):
+            total = total + _tap(xp, i, j, outs, strides, (1, 1))
+            count += ones[i:i + (outs[0] - 1) * strides[0] + 1:strides[0],
+                          j:j + (outs[1] - 1) * strides[1] + 1:strides[1]]
+    return total * tf.constant((1.0 / count)[None, :, :, None], dtype=x.dtype)
+
+
+def _two(values) -> tuple[int, int]:
+    """Spatial (height, width) of a 2-tuple or of an NHWC 4-tuple like (1, h, w, 1)."""
+    values = tuple(int(v) for v in (values if isinstance(values, (list, tuple)) else [values]))
+    if len(values) == 4:
+        return values[1], values[2]
+    return (values[0], values[0]) if len(values) == 1 else values[:2]
+
+
+# -- applying them to a laid-out model ------------------------------------------------------------
+def _depthwise_call(self, inputs):
+    """``DepthwiseConv2D.call`` with dtk's depthwise convolution."""
+    outputs = depthwise_conv2d(inputs, self.depthwise_kernel, strides=self.strides,
+                               padding=self.padding, dilations=self.dilation_rate)
+    if self.use_bias:
+        outputs = tf.nn.bias_add(outputs, self.bias)
+    return self.activation(outputs) if self.activation is not None else outputs
+
+
+def _separable_call(self, inputs):
+    """``SeparableConv2D.call``: dtk's depthwise convolution, then the 1x1 pointwise one."""
+    outputs = depthwise_conv2d(inputs, self.depthwise_kernel, strides=self.strides,
+                               padding=self.padding, dilations=self.dilation_rate)
+    outputs = tf.nn.conv2d(outputs, self.pointwise_kernel, strides=1, padding="VALID")
+    if self.use_bias:
+        outputs = tf.nn.bias_add(outputs, self.bias)
+    return self.activation(outputs) if self.activation is not None else outputs
+
+
+def _conv1d_as_2d(call_2d):
+    """A 1-D depthwise/separable ``call`` through the 2-D one (a unit height dim)."""
+    def call(self, inputs):
+        if self.padding == "causal":
+            inputs = tf.pad(inputs, [[0, 0], [(self.kernel_size[0] - 1) * self.dilation_rate[0],
+                                              0], [0, 0]])
+        shim = types.SimpleNamespace(  # (expand_dims: DTensor cannot slice in a new axis)
+            depthwise_kernel=tf.expand_dims(self.depthwise_kernel, 0),
+            pointwise_kernel=getattr(self, "pointwise_kernel", None),
+            strides=(1, self.strides[0]),
+            padding="valid" if self.padding == "causal" else self.padding,
+            dilation_rate=(1, self.dilation_rate[0]), use_bias=self.use_bias,
+            bias=getattr(self, "bias", None), activation=self.activation)
+        if shim.pointwise_kernel is not None:
+            shim.pointwise_kernel = tf.expand_dims(shim.pointwise_kernel, 0)
+        return tf.squeeze(call_2d(shim, tf.expand_dims(inputs, 1)), 1)
+    return call
+
+
+def _discretization_call(self, inputs):
+    """``Discretization.call`` (output_mode 'int'): bucket i holds boundaries[i-1] <= x <
+    boundaries[i], i.e. the count of boundaries <= x, as ``tf.raw_ops.Bucketize`` computes."""
+    inputs = tf.convert_to_tensor(inputs)
+    index = tf.zeros_like(inputs, dtype=self.compute_dtype if self.compute_dtype in (
+        "int32", "int64") else "int64")
+    for boundary in self.bin_boundaries:
+        index += tf.cast(inputs >= tf.cast(boundary, inputs.dtype), index.dtype)
+    return index
+
+
+def _channels_last(layer) -> bool:
+    return getattr(layer, "data_format", "channels_last") == "channels_last"
+
+
+def adapt_layers(model: tf_keras.Model) -> list[str]:
+    """Replaces, in the laid-out ``model``'s layers, every op of ``UNSUPPORTED_OPS`` that has an
+    equivalent. Returns one line per kind of change, for the log.
+
+    Raises:
+      ValueError: a layer uses an unsupported op that dtk cannot replace (``check_layers``).
+    """
+    check_layers(model)
+    L = tf_keras.layers  # pylint: disable=invalid-name
+    changed: dict[str, list[str]] = {}
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        kind = type(layer)
+        if kind in (L.DepthwiseConv2D,):
+            layer.call = types.MethodType(_depthwise_call, layer)
+        elif kind in (L.SeparableConv2D,):
+            layer.call = types.MethodType(_separable_call, layer)
+        elif kind in (L.DepthwiseConv1D,):
+            layer.call = types.MethodType(_conv1d_as_2d(_depthwise_call), layer)
+        elif kind in (L.SeparableConv1D,):
+            layer.call = types.MethodType(_conv1d_as_2d(_separable_call), layer)
+        elif kind is L.Discretization:
+            layer.call = types.MethodType(_discretization_call, layer)
+        elif isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D)):
+            layer.pool_function = avg_pool
+        elif isinstance(layer, L.RNN) and not layer.unroll:
+            layer.unroll = True
+            if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it
+                layer._could_use_gpu_kernel = False  # pylint: disable=protected-access
+        else:
+            continue
+        changed.setdefault(kind.__name__, []).append(layer.name)
+    lines = []
+    for kind, names in changed.items():
+        what = ("unrolled (DTensor cannot lay out the recurrent loop's TensorList ops; the "
+                "values are the same)" if "RNN" in kind or kind in ("LSTM", "GRU", "SimpleRNN")
+                else "run with dtk's DTensor-compatible equivalent (same values and gradients)")
+        lines.append(f"{kind} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: {what}")
+    return lines
+
+
+def check_layers(model: tf_keras.Model) -> None:
+    """Refuses, before any step, layers whose unsupported ops dtk cannot replace.
+
+    Raises:
+      ValueError: naming the layer, the op and what to do.
+    """
+    L = tf_keras.layers  # pylint: disable=invalid-name
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        name = type(layer).__name__
+        if isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D, L.DepthwiseConv2D,
+                              L.SeparableConv2D, L.DepthwiseConv1D, L.SeparableConv1D)) and \
+                not _channels_last(layer):
+            raise ValueError(
+                f"layer {layer.name!r} ({name}, data_format='channels_first') uses an op DTensor "
+                f"cannot lay out ({_op_of(name)}), and dtk's equivalent takes channels_last only; "
+                "build the model with data_format='channels_last' (the default)")
+        if isinstance(layer, L.Discretization) and (
+                layer.output_mode != "int" or layer.bin_boundaries is None):
+            raise ValueError(
+                f"layer {layer.name!r} (Discretization, output_mode={layer.output_mode!r}) uses "
+                "Bucketize, which DTensor cannot lay out; dtk replaces it for output_mode='int' "
+                "with fixed bin_boundaries only. Discretize in the tf.data pipeline instead")
+        if name in _AUGMENTATION:
+            raise ValueError(
+                f"layer {layer.name!r} ({name}) uses {_op_of(name)}, which DTensor cannot lay "
+                "out; augment in the tf.data pipeline instead (dtk.DistributedDataset runs it on "
+                "the host: dataset.map(...) before batching)")
+        if isinstance(layer, L.AveragePooling3D):
+            raise ValueError(
+                f"layer {layer.name!r} (AveragePooling3D) uses AvgPool3DGrad, which DTensor "
+                "cannot lay out, and dtk has no equivalent for it yet; use "
+                "tf_keras.layers.MaxPooling3D, or a strided Conv3D")
+        if isinstance(layer, L.RNN) and not layer.unroll:
+            steps = _static_timesteps(layer)
+            if steps is None:
+                raise ValueError(
+                    f"layer {layer.name!r} ({name}) runs a recurrent loop (TensorList ops), which "
+                    "DTensor cannot lay out; dtk unrolls it, which needs a static sequence "
+                    "length, but its input's time dim is None. Give the model's Input a fixed "
+                    "length, e.g. tf_keras.Input((timesteps, features))")
+        if type(layer).__name__.startswith("ConvLSTM"):
+            raise ValueError(
+                f"layer {layer.name!r} ({name}) runs a recurrent loop (TensorList ops) that "
+                "DTensor cannot lay out, and dtk cannot unroll this layer; use Conv2D + LSTM on a "
+                "fixed-length sequence, or unroll=True where the layer takes it")
+
+
+# Augmentation layers refused (their image ops have no layout propagation).
+_AUGMENTATION = ("RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom")
+
+
+def _static_timesteps(layer) -> int | None:
+    """The time dim of a built RNN layer's input (None when unknown)."""
+    built = getattr(layer, "_build_input_shape", None)
+    if built is not None and not isinstance(built, (list, tuple)) or (
+            isinstance(built, (list, tuple)) and built and isinstance(built[0], (int, type(None)))):
+        dims = tf.TensorShape(built).as_list()
+        if len(dims) >= 2:
+            return dims[0 if getattr(layer, "time_major", False) else 1]
+    try:
+        shape = layer.input_shape if not isinstance(layer.input_shape, list) else \
+            layer.input_shape[0]
+    except (AttributeError, RuntimeError):
+        spec = getattr(layer, "input_spec", None)
+        spec = spec[0] if isinstance(spec, list) else spec
+        shape = getattr(spec, "shape", None)
+    if shape is None or len(shape) < 2:
+        return None
+    axis = 0 if getattr(layer, "time_major", False) else 1
+    return shape[axis]
+
+
+def _op_of(layer_class: str) -> str:
+    for unsupported in UNSUPPORTED_OPS.values():
+        if layer_class in unsupported.layers:
+            return unsupported.op
+    return "?"
+
+
+def explain_failure(message: str, model: Any = None) -> str | None:
+    """One line for a step failure on an op DTensor cannot lay out (else None): the op, the
+    layers of the model that use it, and what to do."""
+    found = _PROPAGATION.search(message)
+    if not found:
+        return None
+    op = found.group(1)
+    known = UNSUPPORTED_OPS.get(op)
+    layers = []
+    if model is not None:
+        classes = set(known.layers) if known else set()
+        scoped = {layer.name for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                  if layer.name and re.search(rf"\b{re.escape(layer.name)}/", message)}
+        layers = [f"{layer.name!r} ({type(layer).__name__})"
+                  for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                  if type(layer).__name__ in classes or layer.name in scoped]
+    where = f" used by layer {', '.join(layers[:3])}" if layers else ""
+    return (f"TensorFlow op {op}{where} has no DTensor layout propagation, so this model cannot "
+            "run on a DTensor mesh as it is; replace the layer by one dtk supports (see "
+            "dtk.op_support.UNSUPPORTED_OPS) or report the layer to dtk")
+
