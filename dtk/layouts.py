@@ -45,9 +45,10 @@ except ModuleNotFoundError:  # Python 3.10
 _log = logging.getLogger("dtk")
 UNSHARDED = "unsharded"
 DEFAULTS = ("replicated", "error")
-TRACKING_ATTRIBUTES = (  # bookkeeping lists that repeat weights found elsewhere
+TRACKING_ATTRIBUTES = (  # bookkeeping that repeats weights found elsewhere, or is no weight
     "_self_tracked_trackables", "_trainable_weights", "_non_trainable_weights",
-    "_captured_weight_regularizer")
+    "_captured_weight_regularizer",
+    "_steps_per_execution")  # a preprocessing layer's adapt() counter, not model state
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -470,6 +471,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "of the laid-out build is missing or has another shape in the plain "
                              "build; the factory must build the same model every time")
         _assign_global(variable, values[path])
+    _check_layouts_follow_plan(model, plan, mesh)
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
     for line in op_support.adapt_layers(model):
@@ -481,6 +483,28 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+def _check_layouts_follow_plan(model: tf_keras.Model, plan: LayoutPlan,
+                               mesh: dtensor.Mesh) -> None:
+    """Every laid-out variable's actual layout is its plan's (not merely the same values).
+
+    A build that left weights replicated while the plan showed them sharded would train to the
+    same numbers with none of the memory saving; this makes that an error, at build time.
+
+    Raises:
+      RuntimeError: naming the weight, its layout and the planned one (a dtk bug).
+    """
+    variables = dict(weight_paths(model))
+    for weight in plan.weights:
+        variable = variables[weight.path]
+        got = dtensor.fetch_layout(getattr(variable, "_variable", variable))
+        want = plan.layout(weight.path, mesh)
+        if got != want:
+            raise RuntimeError(
+                f"weight {weight.path} was laid out {list(got.sharding_specs)} but its plan says "
+                f"{list(want.sharding_specs)} (rule {weight.rule.pattern if weight.rule else '-'}"
+                "); this is a dtk bug: please report it with the model")
 
 
 def _preprocessing_classes() -> list[type]:

@@ -1,0 +1,322 @@
+"""Models users bring: ops DTensor cannot lay out, preprocessing state, recurrent layers, export.
+
+The equivalents in ``dtk.op_support`` equal TensorFlow's ops in values and gradients (on one device
+and, inside models, on sharded meshes); blocks of MobileNetV2 (depthwise), DenseNet (average
+pooling), LSTM/GRU without ``unroll`` and both Normalization forms train on ``batch=8`` and
+``batch=4,model=2`` like one device, resume exactly and export exactly. The real applications
+(MobileNetV2, DenseNet121, EfficientNetB0) run in the slow lane and in ``scripts/zoo.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+from dtk import checkpoint as ckpt_lib
+from dtk import input as input_lib
+from dtk import layouts, op_support
+
+L = tf_keras.layers
+B = 16
+
+
+# -- the equivalents against TensorFlow's ops -----------------------------------------------------
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation", [
+    ((8, 8), 3, 1, "SAME", 1), ((8, 8), 3, 2, "SAME", 1), ((7, 9), 3, 2, "VALID", 1),
+    ((9, 9), 5, 2, "SAME", 1), ((1, 6), (1, 3), 1, "VALID", 1), ((8, 8), 3, 1, "SAME", 2)])
+def test_depthwise_conv2d_equals_tensorflow(size, kernel, stride, padding, dilation):
+    rng = np.random.default_rng(0)
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    x = tf.constant(rng.standard_normal((2, *size, 3)), tf.float32)
+    k = tf.constant(rng.standard_normal((kh, kw, 3, 2)), tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, k])
+        want = tf.nn.depthwise_conv2d(x, k, [1, stride, stride, 1], padding,
+                                      dilations=[dilation, dilation])
+        got = op_support.depthwise_conv2d(x, k, strides=(stride, stride), padding=padding,
+                                          dilations=(dilation, dilation))
+        loss_want, loss_got = tf.reduce_sum(want ** 2), tf.reduce_sum(got ** 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(tape.gradient(loss_got, [x, k]), tape.gradient(loss_want, [x, k])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("size, pool, stride, padding", [
+    ((8, 8), 2, 2, "VALID"), ((7, 9), 2, 2, "VALID"), ((8, 8), 3, 2, "SAME"),
+    ((7, 7), 3, 1, "SAME"), ((8, 6), 3, 2, "VALID")])
+def test_avg_pool_equals_tensorflow(size, pool, stride, padding):
+    x = tf.constant(np.random.default_rng(1).standard_normal((2, *size, 3)), tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        want = tf.nn.avg_pool2d(x, pool, stride, padding)
+        got = op_support.avg_pool(x, (pool, pool), (stride, stride), padding)
+        loss_want, loss_got = tf.reduce_sum(want ** 3), tf.reduce_sum(got ** 3)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(tape.gradient(loss_got, x), tape.gradient(loss_want, x),
+                               rtol=1e-5, atol=1e-6)
+
+
+# -- models ---------------------------------------------------------------------------------------
+def mobilenet_blocks():
+    """MobileNetV2's inverted residuals (expand, depthwise stride 2, project) and a separable
+    convolution, between BatchNormalization and ReLU6, as tf_keras.applications builds them."""
+    inputs = tf_keras.Input((12, 12, 3))
+    x = L.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
+    x = L.ReLU(6.0)(L.BatchNormalization()(x))
+    x = L.ReLU(6.0)(L.BatchNormalization()(L.Conv2D(16, 1, use_bias=False)(x)))
+    x = L.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False)(x)
+    x = L.ReLU(6.0)(L.BatchNormalization()(x))
+    x = L.BatchNormalization()(L.Conv2D(8, 1, use_bias=False)(x))
+    x = L.Add()([x, L.DepthwiseConv2D(3, padding="same")(x)])
+    x = L.SeparableConv2D(8, 3, padding="same")(x)
+    return tf_keras.Model(inputs, L.Dense(4)(L.GlobalAveragePooling2D()(x)))
+
+
+def densenet_blocks():
+    """DenseNet's dense block (BN-ReLU-Conv, concatenated) and transition (1x1 conv, 2x2
+    average pooling), then an overlapping 'same' average pooling."""
+    inputs = tf_keras.Input((12, 12, 3))
+    x = L.Conv2D(8, 3, padding="same")(inputs)
+    for _ in range(2):
+        y = L.Conv2D(4, 3, padding="same")(L.ReLU()(L.BatchNormalization()(x)))
+        x = L.Concatenate()([x, y])
+    x = L.Conv2D(8, 1)(L.ReLU()(L.BatchNormalization()(x)))
+    x = L.AveragePooling2D(2, strides=2)(x)
+    x = L.AveragePooling2D(3, strides=1, padding="same")(x)
+    return tf_keras.Model(inputs, L.Dense(4)(L.Flatten()(x)))
+
+
+def lstm_stack():
+    inputs = tf_keras.Input((6, 4))
+    x = L.LSTM(8, return_sequences=True)(inputs)
+    return tf_keras.Model(inputs, L.Dense(4)(L.LSTM(5)(x)))
+
+
+def gru_stack():
+    inputs = tf_keras.Input((6, 4))
+    return tf_keras.Model(inputs, L.Dense(4)(L.GRU(6)(L.GRU(8, return_sequences=True)(inputs))))
+
+
+_ADAPT_DATA = np.random.default_rng(9).random((40, 12, 12, 3)).astype(np.float32) * 4 + 1
+
+
+def normalization_adapted():
+    """``adapt()`` inside the factory, as the Keras guides write it."""
+    norm = L.Normalization()
+    norm.adapt(_ADAPT_DATA)
+    inputs = tf_keras.Input((12, 12, 3))
+    return tf_keras.Model(inputs, L.Dense(4)(L.Flatten()(norm(inputs))))
+
+
+def normalization_given():
+    inputs = tf_keras.Input((12, 12, 3))
+    x = L.Normalization(mean=[3.0, 2.5, 2.0], variance=[1.5, 1.0, 0.5])(inputs)
+    return tf_keras.Model(inputs, L.Dense(4)(L.Flatten()(x)))
+
+
+MODELS = {"mobilenet": (mobilenet_blocks, (12, 12, 3)), "densenet": (densenet_blocks, (12, 12, 3)),
+          "lstm": (lstm_stack, (6, 4)), "gru": (gru_stack, (6, 4)),
+          "normalization_adapted": (normalization_adapted, (12, 12, 3)),
+          "normalization_given": (normalization_given, (12, 12, 3))}
+
+
+def _data(shape, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.random((steps, B, *shape)) * 4).astype(np.float32)
+    return x, rng.integers(0, 4, (steps, B)).astype(np.int64)
+
+
+def _plain(factory, x, y):
+    """One device, plain tf_keras: per-step losses."""
+    tf_keras.utils.set_random_seed(2)
+    model = factory()
+    opt = tf_keras.optimizers.Adam(1e-2)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    losses = []
+    for xs, ys in zip(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(ys, model(xs, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_trains_like_one_device(name, spec):
+    factory, shape = MODELS[name]
+    x, y = _data(shape)
+    mesh = dtk.build_mesh(spec)
+    model, _ = layouts.build_model(factory, mesh, layouts.load_table("data_parallel"), seed=2,
+                                   allow_replicated=True)
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=tf_keras.optimizers.Adam(1e-2, mesh=mesh), mesh=mesh)
+    w = np.ones(B, np.float32)
+    losses = [float(steps.train(input_lib.pack(mesh, (xs, ys, w)))) for xs, ys in zip(x, y)]
+    np.testing.assert_allclose(losses, _plain(factory, x, y), rtol=1e-5)
+
+
+def test_build_logs_the_equivalents(caplog):
+    mesh = dtk.build_mesh("batch=8")
+    with caplog.at_level("INFO", logger="dtk"):
+        layouts.build_model(lstm_stack, mesh, "data_parallel", seed=0, allow_replicated=True)
+    lines = [r.getMessage() for r in caplog.records if "unrolled" in r.getMessage()]
+    assert len(lines) == 1 and "lstm" in lines[0], lines
+
+
+@pytest.mark.parametrize("factory, words", [
+    (lambda: tf_keras.Sequential([tf_keras.Input((None, 4)), L.LSTM(3)]),
+     ["'lstm", "static sequence", "fixed"]),
+    (lambda: tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.RandomFlip(), L.Dense(2)]),
+     ["random_flip", "ReverseV2", "tf.data"]),
+    (lambda: tf_keras.Sequential([tf_keras.Input((4, 4, 4, 2)), L.AveragePooling3D(),
+                                  L.Dense(2)]),
+     ["average_pooling3d", "AvgPool3DGrad"]),
+])
+def test_unsupported_layers_refused_before_any_step(factory, words):
+    with pytest.raises(ValueError) as err:
+        layouts.build_model(factory, dtk.build_mesh("batch=8"), "data_parallel", seed=0,
+                            allow_replicated=True)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_step_failure_names_the_op_and_layer_without_unrelated_advice():
+    model = mobilenet_blocks()
+    message = ("error: 'tf.DepthwiseConv2dNativeBackpropFilter' op does not implement layout "
+               "propagation. Please file a feature request")
+    line = op_support.explain_failure(message, model)
+    assert "DepthwiseConv2dNativeBackpropFilter" in line and "depthwise_conv2d" in line
+    assert "restart" not in line and "label" not in line
+    assert op_support.explain_failure("some other failure", model) is None
+
+
+# -- resume and export ----------------------------------------------------------------------------
+def _trainer(factory, mesh, tmp_path, *, max_steps):
+    return dtk.Trainer(mesh=mesh, model=factory, layout="data_parallel", allow_replicated=True,
+                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-2),
+                       metrics=[], config=dtk.TrainerConfig(
+                           seed=2, verbose=0, steps_per_execution=1, max_steps=max_steps,
+                           checkpoint_dir=str(tmp_path) if tmp_path else None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mobilenet", "gru", "normalization_adapted"])
+def test_resume_and_export_are_exact(tmp_path, name):
+    factory, shape = MODELS[name]
+    mesh = dtk.build_mesh("batch=4,model=2")
+    x, y = _data(shape, steps=4, seed=3)
+    data = input_lib.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices((x.reshape(-1, *shape), y.reshape(-1))), mesh,
+        input_lib.InputConfig(global_batch_size=B))
+    whole = _trainer(factory, mesh, None, max_steps=4)
+    whole.fit(data, epochs=1)
+    _trainer(factory, mesh, tmp_path / "ckpt", max_steps=2).fit(data, epochs=1)
+    resumed = _trainer(factory, mesh, tmp_path / "ckpt", max_steps=4)
+    resumed.fit(data, epochs=1)
+    for got, want in zip(dtk.gather_weights(resumed.model), dtk.gather_weights(whole.model)):
+        np.testing.assert_array_equal(got, want)
+
+    paths = resumed.export(str(tmp_path / "export"))
+    loaded = tf_keras.models.load_model(paths["keras"])
+    np.testing.assert_allclose(loaded.predict(x[0], verbose=0), resumed.predict(
+        input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices((x[0], y[0])), mesh,
+                                     input_lib.InputConfig(global_batch_size=B))),
+        rtol=1e-5, atol=1e-6)
+
+
+class TwoStatistics(L.Layer):
+    """Two non-trainable weights of one shape, created in non-alphabetical order."""
+
+    def build(self, input_shape):
+        n = int(input_shape[-1])
+        self.zeta = self.add_weight(name="zeta", shape=(n,), trainable=False,
+                                    initializer=tf_keras.initializers.Constant(3.0))
+        self.kernel = self.add_weight(name="kernel", shape=(n, n))
+        self.alpha = self.add_weight(name="alpha", shape=(n,), trainable=False,
+                                     initializer=tf_keras.initializers.Constant(-2.0))
+
+    def call(self, x):
+        return tf.matmul(x * self.zeta + self.alpha, self.kernel)
+
+
+def two_statistics():
+    return tf_keras.Sequential([tf_keras.Input((5,)), TwoStatistics(name="stats"), L.Dense(3)])
+
+
+def test_export_maps_weights_by_identity(tmp_path):
+    mesh = dtk.build_mesh("batch=8")
+    trainer = _trainer(two_statistics, mesh, None, max_steps=None)
+    twin = ckpt_lib.plain_copy(trainer.model, two_statistics)
+    stats = twin.get_layer("stats")
+    np.testing.assert_array_equal(stats.zeta.numpy(), np.full(5, 3.0))
+    np.testing.assert_array_equal(stats.alpha.numpy(), np.full(5, -2.0))
+    x = np.random.default_rng(0).random((B, 5)).astype(np.float32)
+    data = input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices(
+        (x, np.zeros(B, np.int64))), mesh, input_lib.InputConfig(global_batch_size=B))
+    paths = trainer.export(str(tmp_path / "export"))
+    loaded = tf_keras.models.load_model(paths["keras"],
+                                        custom_objects={"TwoStatistics": TwoStatistics})
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), trainer.predict(data), rtol=1e-6,
+                               atol=1e-7)
+
+
+def test_export_names_the_weight_that_differs():
+    mesh = dtk.build_mesh("batch=8")
+    trainer = _trainer(two_statistics, mesh, None, max_steps=None)
+
+    def other():
+        return tf_keras.Sequential([tf_keras.Input((5,)), TwoStatistics(name="stats"),
+                                    L.Dense(4)])
+    with pytest.raises(ValueError, match=r"weight 1:Dense/(kernel|bias): the trained model has "
+                                         r"\((5, )?3,?\).*\((5, )?4,?\)"):
+        ckpt_lib.plain_copy(trainer.model, other)
+
+
+# -- the real applications (slow) -----------------------------------------------------------------
+def _efficientnet_b0_no_dropout():
+    """EfficientNetB0 without its dropout (random layers draw per device until issue 25)."""
+    from tf_keras.applications import efficientnet  # pylint: disable=g-import-not-at-top
+    return efficientnet.EfficientNet(1.0, 1.0, 224, dropout_rate=0.0, drop_connect_rate=0.0,
+                                     model_name="efficientnetb0", weights=None,
+                                     input_shape=(32, 32, 3), classes=4)
+
+
+APPLICATIONS = {
+    "MobileNetV2": lambda: tf_keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=4),
+    "DenseNet121": lambda: tf_keras.applications.DenseNet121(
+        input_shape=(32, 32, 3), weights=None, classes=4),
+    "EfficientNetB0": _efficientnet_b0_no_dropout,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(APPLICATIONS))
+def test_application_trains_like_one_device(name):
+    factory = APPLICATIONS[name]
+    mesh = dtk.build_mesh("batch=8")
+    model, _ = layouts.build_model(factory, mesh, "data_parallel", seed=2, allow_replicated=True)
+    steps = dtk.Steps(model, loss=tf_keras.losses.SparseCategoricalCrossentropy(),
+                      optimizer=tf_keras.optimizers.Adam(1e-3, mesh=mesh), mesh=mesh)
+    rng = np.random.default_rng(4)
+    x = (rng.random((2, B, 32, 32, 3)) * 255).astype(np.float32)
+    y = rng.integers(0, 4, (2, B)).astype(np.int64)
+    w = np.ones(B, np.float32)
+    losses = [float(steps.train(input_lib.pack(mesh, (xs, ys, w)))) for xs, ys in zip(x, y)]
+
+    tf_keras.utils.set_random_seed(2)
+    plain = factory()
+    opt = tf_keras.optimizers.Adam(1e-3)
+    want = []
+    for xs, ys in zip(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf_keras.losses.SparseCategoricalCrossentropy()(ys, plain(xs, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, plain.trainable_variables),
+                                plain.trainable_variables))
+        want.append(float(loss))
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
