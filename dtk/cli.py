@@ -77,6 +77,16 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
     "allow_replicated": SharedFlag(kind="bool", default=False, help=(
         "Accept a --layout table that shards no weight of the model (by default an error: "
         "everything would train replicated).")),
+    "global_batch_size": SharedFlag(kind="integer", default=128, help=(
+        "Examples per step over the whole mesh (a multiple of the 'batch' axis).")),
+    "epochs": SharedFlag(kind="integer", default=3, help="Epochs to train (per trial in Tune)."),
+    "dataset": SharedFlag(kind="enum", default="tfds", enum_values=("tfds", "idx", "sample"),
+                          help=("MNIST source: tensorflow_datasets (falls back to the bundled "
+                                "sample when offline and no --data_dir), LeCun IDX files in "
+                                "--data_dir, or the sample bundled with dtk (2,000 + 1,000 "
+                                "images).")),
+    "data_dir": SharedFlag(kind="string", default=None, help=(
+        "TFDS data dir, or the directory of MNIST IDX files (--dataset idx).")),
 }
 
 # What the training scripts both take (tested: same names, same help, same kind).
@@ -90,15 +100,25 @@ OUTPUT_FILE_FLAGS = ("summary_json",)
 
 
 def define_flags(names, **defaults: Any) -> None:
-    """Defines the shared flags ``names`` in absl's global FLAGS (a script's default may differ)."""
+    """Defines the shared flags ``names`` in absl's global FLAGS (a script's default may differ).
+
+    They count as the calling script's own flags: ``--help`` lists them.
+    """
+    import inspect  # pylint: disable=g-import-not-at-top
     from absl import flags  # pylint: disable=g-import-not-at-top
+    module = inspect.getmodule(inspect.stack()[1].frame)
+    module_name = getattr(module, "__name__", None) or "__main__"
+    if module_name == "__main__":
+        module_name = sys.argv[0]  # how absl names the main module
     for name in names:
         spec = SHARED_FLAGS[name]
         default = defaults.pop(name, spec.default)
         if spec.kind == "enum":
-            flags.DEFINE_enum(name, default, list(spec.enum_values), spec.help)
+            flags.DEFINE_enum(name, default, list(spec.enum_values), spec.help,
+                              module_name=module_name)
         else:
-            getattr(flags, f"DEFINE_{spec.kind}")(name, default, spec.help)
+            getattr(flags, f"DEFINE_{spec.kind}")(name, default, spec.help,
+                                                  module_name=module_name)
     if defaults:
         raise TypeError(f"defaults for flags not defined here: {sorted(defaults)}")
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import logging
+import math
 import os
 import re
 import shutil
@@ -88,8 +89,9 @@ class DTensorConfig(BackendConfig):
             raise ValueError(f"devices_per_worker must be a positive integer or None; got "
                              f"{self.devices_per_worker!r}")
         for name in ("start_timeout_s", "heartbeat_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive; got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be positive and finite; got {value!r}")
 
     @property
     def backend_cls(self):

@@ -24,13 +24,12 @@ from dtk.cli import UsageError
 
 _START = time.perf_counter()
 FLAGS = flags.FLAGS
-cli.define_flags(cli.TRAINING_FLAGS, mesh="batch=2,model=4", layout="transformer_lm",
-                 learning_rate=3e-3)
+cli.define_flags((*cli.TRAINING_FLAGS, "global_batch_size"), mesh="batch=2,model=4",
+                 layout="transformer_lm", learning_rate=3e-3, global_batch_size=32)
 flags.DEFINE_integer("seq_len", 128, "Bytes per training window.")
 flags.DEFINE_integer("dim", 128, "Model width.")
 flags.DEFINE_integer("heads", 8, "Attention heads (a multiple of the model axis).")
 flags.DEFINE_integer("layers", 2, "Transformer blocks.")
-flags.DEFINE_integer("global_batch_size", 32, "Windows per step over the whole mesh.")
 flags.DEFINE_integer("steps", 600, "Training steps in all.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate the held-out loss every this many steps.")
 flags.DEFINE_integer("eval_batches", 20, "Held-out batches per evaluation.")

@@ -27,14 +27,8 @@ from dtk.cli import UsageError
 _START = time.perf_counter()
 
 FLAGS = flags.FLAGS
-cli.define_flags(cli.TRAINING_FLAGS)
+cli.define_flags((*cli.TRAINING_FLAGS, "global_batch_size", "epochs", "dataset", "data_dir"))
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model: the tutorial MLP or a small CNN.")
-flags.DEFINE_enum("dataset", "tfds", ["tfds", "idx", "sample"], "Data source: tensorflow_datasets "
-                  "(falls back to the bundled sample when offline and no --data_dir), LeCun IDX "
-                  "files in --data_dir, or the sample bundled with dtk (2,000 + 1,000 images).")
-flags.DEFINE_string("data_dir", None, "TFDS data dir, or the directory of IDX files.")
-flags.DEFINE_integer("epochs", 3, "Epochs to train.")
-flags.DEFINE_integer("global_batch_size", 128, "Global batch size (a multiple of the batch axis).")
 flags.DEFINE_string("optimizer", None, "Optimizer name: sgd, adam, adamw, rmsprop, adagrad, ... "
                     "(default: sgd for mlp, adam for cnn).")
 flags.DEFINE_string("steps_per_execution", "auto", "Training steps per compiled call: auto (chosen "

@@ -24,12 +24,10 @@ from dtk.cli import UsageError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("trials", 4, "Number of trials (hyper-parameter samples).")
-flags.DEFINE_integer("epochs", 3, "Epochs per trial (ASHA's max_t).")
 flags.DEFINE_integer("workers", 1, "Ray workers (DTensor clients) per trial; 1: a plain Tune trial.")
-cli.define_flags(("mesh", "seed", "summary_json"), mesh="batch=4")  # mesh: each trial's, over its workers
-flags.DEFINE_enum("dataset", "sample", ["tfds", "idx", "sample"],
-                  "MNIST source: tfds, idx (with --data_dir) or sample.")
-flags.DEFINE_string("data_dir", None, "Directory of MNIST IDX files (--dataset idx) or TFDS data.")
+# --mesh: each trial's mesh, over all its workers' devices.
+cli.define_flags(("mesh", "seed", "summary_json", "epochs", "dataset", "data_dir"), mesh="batch=4",
+                 dataset="sample")
 flags.DEFINE_integer("validation_examples", 5000, "Training images held out for validation "
                      "(at most half of the training set).")
 flags.DEFINE_integer("concurrent", 1, "Trials run at once (each takes --workers CPUs).")

@@ -271,7 +271,13 @@ def assert_layouts_match_plan(model, plan, mesh):
             f"{weight.path}: {got.sharding_specs} but the plan says {weight.dims}")
 
 
-@pytest.mark.parametrize("row", sorted(TABLE))
+# The fast lane runs a row per kind of handling; the whole suite (CI) runs every row.
+FAST_ROWS = {"Dense", "DepthwiseConv2D", "AveragePooling2D(3,2,same)", "LSTM", "Discretization",
+             "Normalization(mean, variance)", "RandomFlip", "Dropout"}
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=() if r in FAST_ROWS else pytest.mark.slow)
+                                 for r in sorted(TABLE)])
 def test_layer_trains_like_one_device(row, mesh):
     factory, kind, expect = TABLE[row]
     x, y = _data(kind)

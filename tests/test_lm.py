@@ -54,8 +54,10 @@ def _reference(opt_name):
 
 
 @pytest.mark.parametrize("spec, opt_name, shard", [  # every mesh; Adam, AdamW; sharded update
-    ("batch=8", "adam", False), ("batch=4,model=2", "adamw", False),
-    ("batch=2,model=4", "adam", True), ("batch=1,model=8", "adamw", True)])
+    pytest.param("batch=8", "adam", False, marks=pytest.mark.slow),
+    ("batch=4,model=2", "adamw", False),
+    pytest.param("batch=2,model=4", "adam", True, marks=pytest.mark.slow),
+    pytest.param("batch=1,model=8", "adamw", True, marks=pytest.mark.slow)])
 def test_lm_parity_with_one_device(spec, opt_name, shard):
     mesh = dtk.build_mesh(spec)
     model, plan = layouts.build_model(FACTORY, mesh, "transformer_lm", seed=7)

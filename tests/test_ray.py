@@ -149,7 +149,8 @@ def test_backend_sets_every_workers_environment(monkeypatch):
             assert fn is dtk_ray._reserve_address  # pylint: disable=protected-access
             return [_address("127.0.0.1", 5000), _address("127.0.0.2", 5001)]
 
-        def execute_single_async(self, rank, fn, env):
+        def execute_single_async(self, rank, fn, env, verbose):
+            assert fn is dtk_ray._set_env and verbose is False  # pylint: disable=protected-access
             calls.append((rank, env["DTENSOR_CLIENT_ID"], env["DTENSOR_JOBS"]))
             return rank
 
@@ -161,6 +162,7 @@ def test_backend_sets_every_workers_environment(monkeypatch):
 @pytest.mark.parametrize("kwargs, match", [
     ({"devices_per_worker": 0}, "devices_per_worker must be a positive integer"),
     ({"start_timeout_s": 0}, "start_timeout_s must be positive"),
+    ({"heartbeat_timeout_s": float("nan")}, "heartbeat_timeout_s must be positive"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -93,8 +93,11 @@ def _assert_weights_close(model, expected, rtol):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=2e-6)
 
 
-PARITY_CASES = [("mlp", o, m) for m in MESHES for o in OPTIMIZERS] + [
-    ("cnn", o, m) for m in MESHES for o in ("momentum", "adam")]
+# The fast lane keeps one case per model kind; the rest run in the whole suite (CI).
+_FAST_PARITY = {("mlp", "adam", "batch=4,model=2"), ("cnn", "momentum", "batch=8")}
+PARITY_CASES = [pytest.param(*case, marks=() if case in _FAST_PARITY else pytest.mark.slow)
+                for case in [("mlp", o, m) for m in MESHES for o in OPTIMIZERS] + [
+                    ("cnn", o, m) for m in MESHES for o in ("momentum", "adam")]]
 
 
 @pytest.mark.parametrize("model_name, opt_name, spec", PARITY_CASES)
@@ -112,8 +115,10 @@ def test_parity_with_single_device(model_name, opt_name, spec):
 
 
 @pytest.mark.parametrize("model_name, opt_name, spec", [
-    ("mlp", "adam", "batch=8"), ("mlp", "momentum", "batch=4,model=2"),
-    ("mlp", "adamw", "batch=2,model=4"), ("cnn", "adam", "batch=8")])
+    ("mlp", "adam", "batch=8"),
+    pytest.param("mlp", "momentum", "batch=4,model=2", marks=pytest.mark.slow),
+    pytest.param("mlp", "adamw", "batch=2,model=4", marks=pytest.mark.slow),
+    pytest.param("cnn", "adam", "batch=8", marks=pytest.mark.slow)])
 def test_sharded_optimizer_state_keeps_parity(model_name, opt_name, spec):
     want_losses, want_weights = _reference(model_name, opt_name)
     steps, mesh = _dtk_steps(model_name, opt_name, spec, shard=True)

@@ -65,9 +65,10 @@ def test_fit_evaluate_predict():
     np.testing.assert_allclose(trainer.predict(test), logits, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec, layout", [("batch=8", "data_parallel"),
-                                          ("batch=4,model=2", "mlp_model_parallel"),
-                                          ("batch=2,model=4", "mlp_model_parallel")])
+@pytest.mark.parametrize("spec, layout", [
+    pytest.param("batch=8", "data_parallel", marks=pytest.mark.slow),
+    ("batch=4,model=2", "mlp_model_parallel"),
+    pytest.param("batch=2,model=4", "mlp_model_parallel", marks=pytest.mark.slow)])
 def test_fit_matches_one_device(spec, layout):
     one = _trainer("batch=1")
     want = one.fit(_data(one.mesh), epochs=2).history
@@ -80,8 +81,9 @@ def test_fit_matches_one_device(spec, layout):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("spe, stop_at, shard", [(1, 8, False), (2, 9, False), (1, 6, False),
-                                                 (1, 8, True)])
+@pytest.mark.parametrize("spe, stop_at, shard", [
+    (2, 9, False), pytest.param(1, 8, False, marks=pytest.mark.slow),
+    pytest.param(1, 6, False, marks=pytest.mark.slow), pytest.param(1, 8, True, marks=pytest.mark.slow)])
 def test_resume_equals_uninterrupted(tmp_path, spe, stop_at, shard):
     # shard: the ZeRO-style update keeps its own weight copies, which a restore must refresh.
     full = _trainer(steps_per_execution=spe, shard_optimizer_state=shard)

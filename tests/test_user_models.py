@@ -145,8 +145,13 @@ def _plain(factory, x, y):
     return np.array(losses)
 
 
-@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+_FAST_MODELS = {("mobilenet", "batch=4,model=2"), ("gru", "batch=8"),
+                ("normalization_adapted", "batch=8")}
+
+
+@pytest.mark.parametrize("name, spec", [
+    pytest.param(n, s, marks=() if (n, s) in _FAST_MODELS else pytest.mark.slow)
+    for n in sorted(MODELS) for s in ("batch=8", "batch=4,model=2")])
 def test_model_trains_like_one_device(name, spec):
     factory, shape = MODELS[name]
     x, y = _data(shape)

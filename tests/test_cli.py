@@ -1,0 +1,180 @@
+"""What the scripts share (dtk/cli.py): flags, output-path checks, the summary's fallback, quiet logs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from dtk import cli
+from dtk import launch as launch_lib
+from tests import procs
+
+SCRIPTS = ("train_mnist", "train_lm", "tune_mnist")
+
+
+# -- one spelling, one meaning, one help text -----------------------------------------------------
+def _flags_of(script: str) -> dict:
+    """The flags a script defines (its own module's), as {name: [parser, help]}."""
+    code = (f"import json, runpy, sys; sys.argv = ['{script}.py']; "
+            f"runpy.run_path('scripts/{script}.py', run_name='loaded'); "
+            "from absl import flags; print('FLAGS', json.dumps({n: [type(f.parser).__name__, f.help]"
+            " for n, f in flags.FLAGS._flags().items()}))")  # pylint: disable=protected-access
+    res = procs.run_python(code, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.split("FLAGS", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def script_flags():
+    return {s: _flags_of(s) for s in SCRIPTS}
+
+
+def test_training_scripts_share_their_common_flags(script_flags):
+    for name in cli.TRAINING_FLAGS:
+        for script in ("train_mnist", "train_lm"):
+            assert name in script_flags[script], f"{script}.py has no --{name}"
+        assert script_flags["train_mnist"][name] == script_flags["train_lm"][name], name
+
+
+def test_a_flag_in_several_scripts_means_one_thing(script_flags):
+    seen: dict[str, tuple[str, list]] = {}
+    for script, defined in script_flags.items():
+        for name, spec in defined.items():
+            if name in seen:
+                assert spec == seen[name][1], (f"--{name}: {script}.py says {spec}, "
+                                               f"{seen[name][0]}.py says {seen[name][1]}")
+            else:
+                seen[name] = (script, spec)
+    assert "virtual_devices" in script_flags["train_lm"]
+
+
+# -- output paths: checked before training --------------------------------------------------------
+def _file_in_the_way(tmp_path):
+    (tmp_path / "file").write_text("x")
+    return str(tmp_path / "file" / "sub")
+
+
+def _a_file(path):
+    path.write_text("x")
+    return str(path)
+
+
+BAD_OUTPUTS = [  # (kind, path maker, phrase)
+    ("file", lambda t: "/proc/nope/s.json", "not writable"),
+    ("dir", lambda t: "/proc/nope/ckpt", "not writable"),
+    ("dir", lambda t: "/proc/self", "not writable"),          # exists, read-only
+    ("dir", _file_in_the_way, "is a file, where a directory should be"),
+    ("file", lambda t: str(t), "is a directory"),
+    ("dir", lambda t: _a_file(t / "f.txt"), "is a file; give a directory"),
+]
+
+
+@pytest.mark.parametrize("kind, make, phrase", BAD_OUTPUTS)
+def test_bad_output_paths_are_refused(tmp_path, kind, make, phrase):
+    path = make(tmp_path)
+    with pytest.raises(cli.UsageError, match=phrase) as err:
+        cli.check_output_path("out", path, kind=kind)
+    assert "--out" in str(err.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_read_only_parent_is_refused(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(cli.UsageError, match="not writable"):
+        cli.check_output_path("checkpoint_dir", str(tmp_path / "ro" / "a" / "b"), kind="dir")
+
+
+def test_good_output_paths_leave_nothing_behind(tmp_path):
+    cli.check_output_path("checkpoint_dir", str(tmp_path / "a" / "b"), kind="dir")
+    cli.check_output_path("summary_json", str(tmp_path / "c" / "s.json"), kind="file")
+    assert os.listdir(tmp_path) == []
+
+
+def test_summary_written_elsewhere_when_the_disk_fills(tmp_path, monkeypatch, capsys):
+    target = str(tmp_path / "s.json")
+    real = cli.write_json
+
+    def full_disk(path, value):
+        if path == target:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, value)
+    monkeypatch.setattr(cli, "write_json", full_disk)
+    assert cli.write_summary(target, {"test_loss": 0.5}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    fallback = err.split("written to ")[1].split(" instead")[0]
+    assert json.loads(open(fallback).read()) == {"test_loss": 0.5}
+    os.remove(fallback)
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("train_mnist", ["--summary_json", "/proc/nope/s.json"]),
+    ("train_mnist", ["--tensorboard_dir", "/proc/nope/tb"]),
+    ("train_lm", ["--export_dir", "/proc/nope/export"]),
+    ("train_lm", ["--checkpoint_dir", "/proc/nope/ckpt"]),
+    ("tune_mnist", ["--summary_json", "/proc/nope/t.json"]),
+])
+def test_scripts_refuse_bad_outputs_in_one_line(script, flags):
+    res = procs.run_python(
+        f"import runpy, sys; sys.argv = ['{script}.py', *sys.argv[1:]]; "
+        f"runpy.run_path('scripts/{script}.py', run_name='__main__')", args=flags, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error: --"), res.stderr
+    assert "Epoch" not in res.stdout
+
+
+# -- quiet logs -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_lm_on_a_model_parallel_mesh_writes_nothing_to_stderr(tmp_path):
+    """The README's LM command (shortened): no TensorFlow C++ lines, no Python warnings."""
+    env = procs.base_env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as a user's shell has it
+    res = procs.run_python(
+        "import runpy, sys; sys.argv = ['train_lm.py', *sys.argv[1:]]; "
+        "runpy.run_path('scripts/train_lm.py', run_name='__main__')",
+        args=("--mesh", "batch=2,model=4", "--steps", "4", "--eval_every", "2",
+              "--eval_batches", "1", "--seq_len", "32", "--dim", "32", "--layers", "1",
+              "--sample_bytes", "4"), timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.stderr == "", res.stderr[-3000:]
+    assert "held-out" in res.stdout
+
+
+def test_launched_clients_start_quietly(monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    config = launch_lib.LaunchConfig(num_clients=2)
+    envs = launch_lib.client_envs(config, [5000, 5001], "/tmp")
+    assert all(e["TF_CPP_MIN_LOG_LEVEL"] == "3" for e in envs)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # a user's own level is kept
+    assert launch_lib.client_envs(config, [5000, 5001], "/tmp")[0]["TF_CPP_MIN_LOG_LEVEL"] == "1"
+    verbose = launch_lib.LaunchConfig(num_clients=2, verbose=True)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    assert "TF_CPP_MIN_LOG_LEVEL" not in launch_lib.client_envs(verbose, [5000, 5001], "/tmp")[0]
+
+
+def test_ray_workers_start_quietly_with_one_line(monkeypatch, capsys):
+    dtk_ray = pytest.importorskip("dtk.ray")
+    import logging  # pylint: disable=g-import-not-at-top
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    envs = dtk_ray.worker_envs(
+        [{"host": "127.0.0.1", "port": p, "pid": 1, "gpus": 0, "tf_initialized": False}
+         for p in (5000, 5001)], dtk_ray.DTensorConfig(devices_per_worker=4))
+    assert all(e["TF_CPP_MIN_LOG_LEVEL"] == "3" for e in envs)
+    monkeypatch.setattr(dtk_ray, "_tensorflow_initialized", lambda: False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    logger = logging.getLogger("tensorflow")
+    monkeypatch.setattr(logger, "level", logger.level)
+    dtk_ray._set_env(envs[1])  # pylint: disable=protected-access
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "DTensor client 1 of 2, with 4 virtual CPU devices" in out
+    assert logger.level == logging.WARNING
+
+
+def test_bad_launch_timeouts_are_refused():
+    for value in (float("nan"), float("inf"), 0.0, -5.0):
+        with pytest.raises(ValueError, match="heartbeat_timeout_s must be a positive, finite"):
+            launch_lib.LaunchConfig(num_clients=2, heartbeat_timeout_s=value)
+
