@@ -159,9 +159,10 @@ def check_output_path(flag: str, path: str, *, kind: str) -> None:
     """
     if kind not in ("dir", "file"):
         raise ValueError(f"kind must be 'dir' or 'file'; got {kind!r}")
+    trailing_slash = path.endswith(os.sep)
     path = os.path.abspath(os.path.expanduser(path))
     if kind == "file":
-        if os.path.isdir(path):
+        if os.path.isdir(path) or trailing_slash:
             raise UsageError(f"--{flag} {path!r} is a directory; give a file path, e.g. "
                              f"{os.path.join(path, 'summary.json')}")
         directory = os.path.dirname(path)

@@ -91,8 +91,9 @@ CLI_CASES = [  # (flags, phrase the one-line error must contain)
     (["--tensorboard_dir", "{tmp}/file"], "--tensorboard_dir"),
     (["--summary_json", "{tmp}/dir"], "--summary_json '"),
     (["--summary_json", "{tmp}/new/"], "is a directory; give a file path"),
-    (["--summary_json", "{tmp}/file/summary.json"], "is a file; give a directory"),
-    (["--checkpoint_dir", "{tmp}/file/sub"], "is not writable"),
+    (["--summary_json", "{tmp}/file/summary.json"], "is a file, where a directory should be"),
+    (["--checkpoint_dir", "{tmp}/file/sub"], "is a file, where a directory should be"),
+    (["--checkpoint_dir", "/proc/nope/ckpt"], "is not writable"),
 ]
 
 
