@@ -149,6 +149,27 @@ def quiet_tensorflow_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in _QUIET_TF_ENV.items()}
 
 
+def check_all() -> None:
+    """Validates every ``DTK_*`` variable that is set, whether this run reads it or not, so a
+    malformed value is one error at start-up, never ignored on the paths that skip it.
+
+    Raises:
+      ValueError: naming the variable, its value and the fix.
+    """
+    get_int(VIRTUAL_DEVICES)
+    get_seconds(REGISTER_TIMEOUT_S, 1.0)
+    get_seconds(HEARTBEAT_TIMEOUT_S, 1.0)
+    port = get_int(PORT_BASE)
+    if port is not None and port > 65535:
+        raise ValueError(f"{PORT_BASE}={port} is not a TCP port; set 1024-65535 or unset it")
+    get_flag(OFFLINE)
+    for directory in (get_str(LAYOUTS_DIR) or "").split(":"):
+        if directory and not os.path.isdir(directory):
+            raise ValueError(f"{LAYOUTS_DIR}={get_str(LAYOUTS_DIR)!r}: {directory!r} is not a "
+                             "directory; give directories of .toml tables separated by ':', or "
+                             "unset it")
+
+
 def import_tensorflow_quietly() -> None:
     """Imports TensorFlow with its load-time C++ lines hidden (command-line tools, not verbose).
 

@@ -268,7 +268,7 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
               file=sys.stderr)
         return 2
     setup_output(verbose=verbose)
-    status, summary = run_reporting_errors(run)
+    status, summary = run_reporting_errors(lambda: (_env.check_all(), run())[1])
     if status == 0 and summary_json and summary:
         from dtk import cluster  # pylint: disable=g-import-not-at-top
         if cluster.is_lead_client():

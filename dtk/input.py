@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from dtk.mesh import BATCH_AXIS, batch_layout, check_batch_axis
+from dtk.mesh import BATCH_AXIS, as_mesh, batch_layout, check_batch_axis
 
 REMAINDER_POLICIES = ("drop", "pad", "error")
 
@@ -315,6 +315,9 @@ class DistributedDataset:
 
     def __init__(self, dataset: tf.data.Dataset, mesh: dtensor.Mesh, config: InputConfig, *,
                  _clients: int = 1):
+        mesh = as_mesh(mesh, "mesh")
+        if not isinstance(config, InputConfig):
+            raise TypeError(f"config must be a dtk.InputConfig; got {type(config).__name__}")
         self.mesh, self.config = mesh, config
         size = check_batch_axis(mesh, config.batch_axis, what="InputConfig.batch_axis")
         if config.global_batch_size % size:
@@ -325,6 +328,7 @@ class DistributedDataset:
         self._dataset = dataset
         self._local = _clients > 1
         self._has_weights = len(dataset.element_spec) == 3
+        self.label_dtypes = tuple(s.dtype for s in tf.nest.flatten(dataset.element_spec[1]))
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
         # Where the stream of all epochs stands; shared with re-stacked views.

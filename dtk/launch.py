@@ -384,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not command:
             raise ValueError("no command to launch; put it after '--', e.g. "
                              "python -m dtk.launch --num_clients 2 -- python train.py")
+        if shutil.which(command[0]) is None:
+            raise ValueError(f"command {command[0]!r} is not an executable file or on PATH; "
+                             "give the program to run after '--', e.g. -- python train.py")
+        _env.check_all()
     except ValueError as e:
         parser.error(str(e))
         return 2

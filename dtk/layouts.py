@@ -75,6 +75,9 @@ class LayoutTable:
     optional_axes: tuple[str, ...] = ()
     default: str = "replicated"
     source: str = ""
+    # Mesh axes the table replicates every weight over on purpose (e.g. a data-parallel CNN on a
+    # mesh with a `model` axis); any other axis that shards nothing is an error (plan_weights).
+    replicated_axes: tuple[str, ...] = ()
 
 
 def shipped_tables_dir() -> Path:
@@ -137,10 +140,11 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
     def fail(message):
         raise ValueError(f"layout table {source}: {message}")
 
-    unknown = set(data) - {"name", "description", "axes", "optional_axes", "default", "rules"}
+    unknown = set(data) - {"name", "description", "axes", "optional_axes", "default", "rules",
+                           "replicated_axes"}
     if unknown:
         fail(f"unknown keys {sorted(unknown)}; allowed: name, description, axes, optional_axes, "
-             "default, rules")
+             "replicated_axes, default, rules")
     axes = tuple(data.get("axes", ()))
     optional = tuple(data.get("optional_axes", ()))
     if not set(optional) <= set(axes):
@@ -165,7 +169,8 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
         rules.append(LayoutRule(pattern=pattern, dims=parsed, note=str(raw.get("note", ""))))
     return LayoutTable(name=str(data.get("name", Path(source).stem)),
                        description=str(data.get("description", "")), axes=axes,
-                       optional_axes=optional, default=default, rules=tuple(rules), source=source)
+                       optional_axes=optional, default=default, rules=tuple(rules), source=source,
+                       replicated_axes=tuple(data.get("replicated_axes", ())))
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -231,7 +236,7 @@ def _some(paths: list[str], n: int = 6) -> str:
 
 
 def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: bool = False,
-                 allow_replicated: bool = False) -> LayoutPlan:
+                 allow_replicated: bool = False, batch_axis: str = "batch") -> LayoutPlan:
     """Matches and validates ``weights`` (``(path, shape, dtype)`` triples) against ``table``.
 
     Args:
@@ -240,7 +245,10 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
       weights: ``(path, shape, dtype)`` of every weight.
       strict: a rule that matches no weight is an error (else a warning in the plan).
       allow_replicated: a table whose rules shard on axes the mesh has, but that shards no weight
-        of this model (a renamed layer, the wrong table), is an error unless this is True.
+        of this model (a renamed layer, the wrong table), is an error unless this is True; so is
+        a mesh axis other than ``batch_axis`` that shards no weight (its devices would repeat
+        the same work), unless the table lists it in ``replicated_axes``.
+      batch_axis: the axis that shards the inputs.
 
     Raises:
       ValueError: see the module docstring; every message names the weight and the fix.
@@ -316,6 +324,16 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
             "replicated. Fix the patterns to match these weight paths (layer names or attribute "
             "paths; see dtk.explain), use another table, or pass allow_replicated=True "
             "(train_mnist.py: --allow_replicated)")
+    idle = [a for a, n in sizes.items() if n > 1 and a != batch_axis and a not in
+            table.replicated_axes and not any(a in w.dims for w in planned)]
+    if idle and not allow_replicated:
+        axis = idle[0]
+        raise ValueError(
+            f"mesh axis {axis!r} of size {sizes[axis]} shards no weight and no input with layout "
+            f"table {table.name!r}: its {sizes[axis]} devices would repeat the same work. Use a "
+            f"table whose rules name {axis!r} (e.g. 'model' in mlp_model_parallel or "
+            f"transformer_lm), drop the axis from the mesh, or pass allow_replicated=True "
+            "(scripts: --allow_replicated)")
     if any(a not in sizes for a in table.optional_axes):
         warnings.append(f"mesh has no axis {[a for a in table.optional_axes if a not in sizes]}: "
                         "dims laid out on it are unsharded")
@@ -472,6 +490,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "build; the factory must build the same model every time")
         _assign_global(variable, values[path])
     _check_layouts_follow_plan(model, plan, mesh)
+    # What the factory compiled the model with, read from the plain build (the laid-out build's
+    # optimizer holds placeholder values): dtk.Trainer trains with it when given none.
+    model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
     for line in op_support.adapt_layers(model):
@@ -483,6 +504,17 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         if isinstance(layer, tf_keras.layers.BatchNormalization):
             layer.fused = False
     return model, plan
+
+
+def compiled_settings(model: tf_keras.Model) -> dict[str, Any]:
+    """The loss, optimizer (class and config) and metrics ``model.compile`` was given, or Nones."""
+    optimizer = getattr(model, "optimizer", None)
+    return {
+        "loss": getattr(model, "loss", None) if getattr(model, "compiled_loss", None) else None,
+        "optimizer": (type(optimizer), optimizer.get_config()) if optimizer is not None else None,
+        "metrics": list(getattr(getattr(model, "compiled_metrics", None), "_user_metrics", None)
+                        or []) or None,
+    }
 
 
 def _check_layouts_follow_plan(model: tf_keras.Model, plan: LayoutPlan,

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import tensorflow as tf
@@ -291,6 +291,22 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
         with open(ready, "w") as f:
             f.write(describe_mesh(mesh))
     return mesh
+
+
+def as_mesh(value: Any, argument: str = "mesh") -> dtensor.Mesh:
+    """A ``dtensor.Mesh`` from what an argument that takes a mesh was given: a Mesh, a spec
+    string (``"batch=8"``) or a ``MeshSpec`` (built with ``build_mesh``).
+
+    Raises:
+      TypeError: anything else (a list of meshes, a dict, None), naming the argument.
+    """
+    if isinstance(value, dtensor.Mesh):
+        return value
+    if isinstance(value, (str, MeshSpec)):
+        return build_mesh(value)
+    raise TypeError(f"{argument} must be a dtensor.Mesh (dtk.build_mesh(...)), a mesh spec string "
+                    f"like 'batch=8', or a dtk.MeshSpec; got {type(value).__name__}: "
+                    f"{str(value)[:60]!r}")
 
 
 def check_batch_axis(mesh: dtensor.Mesh, batch_axis: str, *, what: str = "batch_axis") -> int:

@@ -49,6 +49,10 @@ METRICS: dict[str, str] = {
     "top5": "SparseTopKCategoricalAccuracy",
     "sparse_top_k_categorical_accuracy": "SparseTopKCategoricalAccuracy",
     "sparse_categorical_crossentropy": "SparseCategoricalCrossentropy",
+    "mae": "MeanAbsoluteError",
+    "mean_absolute_error": "MeanAbsoluteError",
+    "mse": "MeanSquaredError",
+    "mean_squared_error": "MeanSquaredError",
 }
 
 LOSSES: dict[str, Callable[[], tf_keras.losses.Loss]] = {
@@ -131,7 +135,9 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
     if isinstance(metric, str):
         key = metric.strip().lower()
         class_name = METRICS.get(key)
-        if class_name is None and hasattr(tf_keras.metrics, metric):
+        candidate = getattr(tf_keras.metrics, metric, None)
+        if class_name is None and isinstance(candidate, type) and issubclass(
+                candidate, tf_keras.metrics.Metric):
             class_name = metric
         if class_name is None:
             raise ValueError(f"metric {metric!r} is unknown; use one of {', '.join(sorted(METRICS))} "
@@ -150,8 +156,17 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
     return metric
 
 
-def make_metrics(metrics: Sequence[MetricLike], mesh: dtensor.Mesh) -> list[tf_keras.metrics.Metric]:
-    """``make_metric`` for each; names must be unique, since they key the logs."""
+def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtensor.Mesh
+                 ) -> list[tf_keras.metrics.Metric]:
+    """``make_metric`` for each; one metric (a name or an instance) or None work too, as in Keras'
+    ``compile``. Names must be unique, since they key the logs."""
+    if metrics is None:
+        metrics = []
+    elif isinstance(metrics, (str, tf_keras.metrics.Metric)):
+        metrics = [metrics]
+    elif isinstance(metrics, dict):
+        raise TypeError("metrics must be a name, a metric, or a list of them; a dict (Keras' "
+                        "per-output form) is not supported: dtk models have one output")
     made = [make_metric(m, mesh) for m in metrics]
     names = [m.name for m in made]
     duplicates = sorted({n for n in names if names.count(n) > 1} | ({"loss"} & set(names)))
@@ -161,12 +176,35 @@ def make_metrics(metrics: Sequence[MetricLike], mesh: dtensor.Mesh) -> list[tf_k
     return made
 
 
+class _SumLoss:
+    """A per-example loss whose reduction is a sum over the global batch (``reduction="sum"``)."""
+
+    sum_over_batch = True
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, labels, predictions):
+        return self.fn(labels, predictions)
+
+
 def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
     """Returns a function ``(labels, predictions) -> per-example losses [B]``.
 
-    dtk reduces per-example losses itself (weighted by the pad mask, divided by the global count of
-    real examples), so a ``tf_keras.losses.Loss`` is called without its own reduction. Named losses
-    expect logits (``from_logits=True``), as dtk's reference models output.
+    dtk reduces per-example losses itself, over the GLOBAL batch, weighted by the pad mask, so
+    that every mesh gives the loss of one device:
+
+    - ``reduction="sum_over_batch_size"`` or ``"auto"`` (Keras' default): the mean over the
+      global batch's real examples;
+    - ``reduction="sum"``: the sum over the global batch's real examples (gradients scale with
+      the global batch size, as on one device);
+    - ``reduction="none"`` is refused: a step needs one number.
+
+    Named losses expect logits (``from_logits=True``), as dtk's reference models output.
+
+    Raises:
+      ValueError: an unknown name or ``reduction="none"``.
     """
     require_keras2(loss, "loss")
     if isinstance(loss, str):
@@ -176,6 +214,14 @@ def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
                              "pass a tf_keras.losses.Loss")
         loss = LOSSES[key]()
     if isinstance(loss, tf_keras.losses.Loss):
+        reduction = getattr(loss, "reduction", "auto")
+        if reduction == tf_keras.losses.Reduction.NONE:
+            raise ValueError(
+                f"loss {type(loss).__name__} has reduction='none'; dtk needs one number per step "
+                "and reduces over the global batch itself: use the default reduction (mean over "
+                "the global batch) or reduction='sum'")
+        if reduction == tf_keras.losses.Reduction.SUM:
+            return _SumLoss(loss.call)
         return loss.call
     if callable(loss):
         return loss

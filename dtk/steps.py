@@ -35,7 +35,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.cluster import num_clients
-from dtk.mesh import BATCH_AXIS, check_batch_axis
+from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.optimizers import make_loss, make_metrics, make_optimizer
 
 
@@ -155,12 +155,13 @@ class Steps:
     def __init__(self, model: tf_keras.Model, *, loss: Any, optimizer: Any,
                  metrics: Sequence[Any] = (), mesh: dtensor.Mesh,
                  config: StepConfig = StepConfig()):
+        mesh = as_mesh(mesh, "mesh")
         self.model = model
         self.mesh = mesh
         self.config = config
         self.loss_fn = make_loss(loss)
         self.optimizer = make_optimizer(optimizer, mesh)
-        self.metrics = make_metrics(list(metrics), mesh)
+        self.metrics = make_metrics(metrics, mesh)
         self.loss_metric = tf_keras.metrics.Mean(name="loss", mesh=mesh)
         check_batch_axis(mesh, config.batch_axis, what="StepConfig.batch_axis")
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
@@ -203,7 +204,10 @@ class Steps:
             per_example = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
             per_example = tf.reduce_mean(per_example, axis=1)
         count = tf.reduce_sum(weights)
-        return tf.math.divide_no_nan(tf.reduce_sum(per_example * weights), count), count
+        total = tf.reduce_sum(per_example * weights)
+        if getattr(self.loss_fn, "sum_over_batch", False):  # reduction="sum" (make_loss)
+            return total, count
+        return tf.math.divide_no_nan(total, count), count
 
     def _update_metrics(self, loss, count, labels, predictions, weights):
         self.loss_metric.update_state(loss, sample_weight=count)

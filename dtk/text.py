@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sysconfig
@@ -22,6 +23,8 @@ from collections import Counter
 
 import numpy as np
 import tensorflow as tf
+
+_log = logging.getLogger("dtk")
 
 VOCAB = 256  # byte-level
 
@@ -48,6 +51,21 @@ def stdlib_files() -> list[str]:
     return files
 
 
+BINARY_SHARE_WARNING = 0.05  # more than this share of non-text bytes: a warning
+
+
+def binary_share(data: bytes, sample: int = 1 << 20) -> float:
+    """The share of bytes (in the first MiB) that are not text: bytes of invalid UTF-8 sequences,
+    and control characters other than tab, newline, carriage return and form feed."""
+    head = data[:sample]
+    if not head:
+        return 0.0
+    decoded = head.decode("utf-8", errors="replace")
+    bad = decoded.count("\ufffd") + sum(
+        1 for c in decoded if ord(c) < 32 and c not in "\t\n\r\f")
+    return bad / max(len(decoded), 1)
+
+
 def load_corpus(text_file: str | None = None, *, heldout_every: int = 20,
                 max_bytes: int | None = None) -> TextCorpus:
     """Reads the corpus: ``text_file`` (split by position: the last 1/heldout_every held out), or
@@ -64,6 +82,10 @@ def load_corpus(text_file: str | None = None, *, heldout_every: int = 20,
                 data = f.read(max_bytes) if max_bytes else f.read()
         except OSError as e:
             raise ValueError(f"--text_file {text_file!r} cannot be read: {e.strerror}") from None
+        share = binary_share(data)
+        if share > BINARY_SHARE_WARNING:
+            _log.warning("--text_file %s: %.0f%% of its bytes are not text (invalid UTF-8 or "
+                         "control characters); is it a text file?", text_file, 100 * share)
         cut = len(data) - len(data) // heldout_every
         corpus = TextCorpus(train=data[:cut], heldout=data[cut:], source=text_file, num_files=1)
     else:

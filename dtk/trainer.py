@@ -171,9 +171,15 @@ class Trainer:
         ``model_factory``).
       layout: a layout table name, path or ``LayoutTable`` (default ``data_parallel``); only used
         with a factory.
-      optimizer: a name or a mesh-bound optimizer (see ``dtk.make_optimizer``).
-      loss: a loss name, a ``tf_keras.losses.Loss`` or a per-example loss function.
-      metrics: metric names or mesh-bound metrics.
+      optimizer: a name or a mesh-bound optimizer (see ``dtk.make_optimizer``). None (the
+        default): the optimizer the factory's model was compiled with (rebuilt on the mesh from
+        its config), else Adam.
+      loss: a loss name, a ``tf_keras.losses.Loss`` or a per-example loss function (reductions:
+        see ``dtk.make_loss``). None: the compiled loss, else sparse categorical crossentropy on
+        logits.
+      metrics: a metric name or metric, or a list of them (mesh-bound). None: the compiled
+        metrics, else accuracy. Where the model was compiled and an argument is given too, the
+        argument wins and one line says so.
       config: ``TrainerConfig``.
       model_factory: the factory of an already built ``model``, for ``export``.
       input_shape: one example's input shape (no batch dim), to build a subclassed model from a
@@ -187,13 +193,13 @@ class Trainer:
     """
 
     def __init__(self, *, mesh: dtensor.Mesh, model: tf_keras.Model | Callable[[], tf_keras.Model],
-                 layout: Any = None, optimizer: Any = "adam",
-                 loss: Any = "sparse_categorical_crossentropy",
-                 metrics: Sequence[Any] = ("accuracy",), config: TrainerConfig = TrainerConfig(),
+                 layout: Any = None, optimizer: Any = None, loss: Any = None,
+                 metrics: Any = None, config: TrainerConfig = TrainerConfig(),
                  model_factory: Callable[[], tf_keras.Model] | None = None,
                  input_shape: Sequence[int] | None = None, allow_replicated: bool = False):
         if not isinstance(config, TrainerConfig):
             raise TypeError(f"config must be a dtk.TrainerConfig; got {type(config).__name__}")
+        mesh = mesh_lib.as_mesh(mesh, "mesh")
         self.mesh = mesh
         self.config = config
         self._input_shape = input_shape
@@ -227,6 +233,8 @@ class Trainer:
             checksum = float(sum(np.sum(w, dtype=np.float64) for w in ckpt_lib.gather_weights(
                 self.model)))
             mesh_lib.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
+        loss, optimizer, metrics = _compiled_or_given(self.model, mesh, loss=loss,
+                                                      optimizer=optimizer, metrics=metrics)
         self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
                            config=config.step_config())
         self.optimizer = self.steps.optimizer
@@ -272,6 +280,7 @@ class Trainer:
                 f"data stacks steps_per_call={got} batches per item but the trainer runs "
                 f"steps_per_execution={stacked}; build the training data with "
                 f"InputConfig(steps_per_call={stacked}) (evaluation data with 1)")
+        _check_label_kind(self.steps.loss_fn, getattr(data, "label_dtypes", ()))
         if not data.num_batches:
             raise ValueError(
                 f"data has no batches: {data.num_examples} example(s) with global_batch_size="
@@ -310,6 +319,8 @@ class Trainer:
                 self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
         self._check_data(train_data, stacked=spe)
+        if validation_data is not None:  # before the first step, not after the first epoch
+            self._check_data(validation_data, stacked=1)
         steps_per_epoch = train_data.num_batches
         self.history = History()
         epoch, skip = self._resume(steps_per_epoch)
@@ -539,6 +550,62 @@ class Trainer:
                 for key, value in logs.items():
                     tf.summary.scalar(key, value, step=epoch + 1)
             writer.flush()
+
+
+_DEFAULTS = {"loss": "sparse_categorical_crossentropy", "optimizer": "adam",
+             "metrics": ["accuracy"]}
+
+
+def _compiled_or_given(model, mesh, *, loss, optimizer, metrics):
+    """What the step trains with: each argument given, else what the factory compiled the model
+    with (the optimizer rebuilt on the mesh from its config), else dtk's default."""
+    compiled = dict(getattr(model, "_dtk_compiled", None) or {})
+    given = {"loss": loss, "optimizer": optimizer, "metrics": metrics}
+    chosen = {}
+    for name in ("loss", "optimizer", "metrics"):
+        if given[name] is not None:
+            if compiled.get(name) is not None and cluster.is_lead_client():
+                _log.info("Trainer: using the %s passed to Trainer; the model's compiled %s (%s) "
+                          "is not used", name, name, _describe(compiled[name]))
+            chosen[name] = given[name]
+        elif compiled.get(name) is not None:
+            chosen[name] = compiled[name]
+            if name == "optimizer":
+                cls, config = compiled[name]
+                if issubclass(cls, tf_keras.optimizers.legacy.Optimizer) or not issubclass(
+                        cls, tf_keras.optimizers.Optimizer):
+                    raise ValueError(
+                        f"the model was compiled with optimizer {cls.__name__}, which cannot be "
+                        "bound to a DTensor mesh; pass optimizer=dtk.make_optimizer(name, mesh, "
+                        "...) to Trainer, or compile with a tf_keras.optimizers optimizer")
+                config = {k: v for k, v in config.items() if k != "is_legacy_optimizer"}
+                chosen[name] = cls.from_config({**config, "mesh": mesh})
+        else:
+            chosen[name] = _DEFAULTS[name]
+    return chosen["loss"], chosen["optimizer"], chosen["metrics"]
+
+
+def _describe(value) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
+        return value[0].__name__  # (optimizer class, config)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    return value if isinstance(value, str) else type(value).__name__
+
+
+def _check_label_kind(loss_fn, label_dtypes) -> None:
+    """Float labels with a sparse (integer class id) loss would be truncated: refuse them."""
+    target = getattr(loss_fn, "fn", loss_fn)
+    owner = getattr(target, "__self__", None)
+    sparse = isinstance(owner, tf_keras.losses.SparseCategoricalCrossentropy) or getattr(
+        target, "__name__", "") == "sparse_categorical_crossentropy"
+    if sparse and any(d.is_floating for d in label_dtypes):
+        raise ValueError(
+            f"labels are {', '.join(sorted({d.name for d in label_dtypes}))}, but the loss is "
+            "sparse categorical crossentropy, which takes integer class ids (floats would be "
+            "truncated); cast the labels to int (dataset.map(lambda x, y: (x, tf.cast(y, "
+            "tf.int64)))), or use a loss for float targets (e.g. loss='mse', or "
+            "'categorical_crossentropy' with one-hot labels)")
 
 
 def _is_laid_out(model: tf_keras.Model) -> bool:

@@ -50,6 +50,8 @@ def _check_flags():
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     if FLAGS.dim % FLAGS.heads:
         raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
+    if FLAGS.sample_bytes < 0:
+        raise UsageError(f"--sample_bytes must be >= 0 (0: no sample); got {FLAGS.sample_bytes}")
     if not 0 <= FLAGS.temperature < float("inf"):
         raise UsageError(f"--temperature must be >= 0 (0: greedy); got {FLAGS.temperature}")
     if not 0 <= FLAGS.dropout < 1:

@@ -15,6 +15,7 @@ the best trial's test accuracy (the whole test set, every example counted).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 from absl import app, flags
@@ -36,6 +37,9 @@ flags.DEFINE_string("address", None, "Ray cluster address (e.g. auto); default: 
 flags.DEFINE_integer("num_cpus", None, "CPUs of the local Ray (default: this machine's).")
 flags.DEFINE_string("storage_path", None, "Where Tune and Train keep results and checkpoints "
                     "(shared storage on a cluster; default: a temp dir).")
+
+
+BATCH_SIZES = (64, 128, 256)  # the searched global batch sizes
 
 
 def train_trial(config: dict) -> None:
@@ -172,6 +176,21 @@ def _check_flags(dtk) -> None:
                          f"{FLAGS.workers}; each worker must hold the same number of devices")
     if FLAGS.dataset == "idx" and not (FLAGS.data_dir and os.path.isdir(FLAGS.data_dir)):
         raise UsageError(f"--dataset idx needs --data_dir DIR of MNIST IDX files; got {FLAGS.data_dir!r}")
+    if dtk.BATCH_AXIS not in spec.axis_names:
+        raise UsageError(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis; add one, e.g. "
+                         f"--mesh {dtk.BATCH_AXIS}=4")
+    batch = dict(spec.axes)[dtk.BATCH_AXIS]
+    bad = [b for b in BATCH_SIZES if b % batch]
+    if bad:
+        raise UsageError(f"--mesh {spec}: the searched global batch sizes {bad} are not divisible "
+                         f"by mesh axis '{dtk.BATCH_AXIS}' (size {batch}); use a batch axis that "
+                         f"divides {BATCH_SIZES} (1, 2, 4, 8, 16, 32 or 64)")
+    from dtk import mnist  # pylint: disable=g-import-not-at-top
+    count = int(mnist.load_mnist("train", source=FLAGS.dataset,
+                                 data_dir=FLAGS.data_dir).cardinality())
+    if count > 0 and FLAGS.validation_examples > count // 2:
+        raise UsageError(f"--validation_examples {FLAGS.validation_examples} is more than half of "
+                         f"the {count} training images; use at most {count // 2}")
 
 
 def run() -> dict:
@@ -186,6 +205,7 @@ def run() -> dict:
         raise UsageError(f"Ray Tune is not installed ({e}); pip install 'dtk[ray]'") from None
 
     storage = os.path.abspath(FLAGS.storage_path or tempfile.mkdtemp(prefix="dtk-tune-"))
+    temporary = FLAGS.storage_path is None
     if FLAGS.address:
         ray.init(address=FLAGS.address, log_to_driver=False)
     else:  # a local Ray that answers on loopback only, without a dashboard
@@ -197,7 +217,7 @@ def run() -> dict:
     try:
         config = {
             "learning_rate": tune.loguniform(3e-4, 3e-2),
-            "global_batch_size": tune.choice([64, 128, 256]),
+            "global_batch_size": tune.choice(list(BATCH_SIZES)),
             "mesh": FLAGS.mesh, "workers": FLAGS.workers, "epochs": FLAGS.epochs,
             "dataset": FLAGS.dataset,
             "data_dir": os.path.abspath(FLAGS.data_dir) if FLAGS.data_dir else None,
@@ -239,6 +259,11 @@ def run() -> dict:
                   f"{pg.get('name')!r} {pg.get('bundles')}")
     finally:
         ray.shutdown()
+        if temporary:  # nothing left behind in the temp dir
+            shutil.rmtree(storage, ignore_errors=True)
+    failed = [r for r in rows if r["error"]]
+    if rows and len(failed) == len(rows):
+        raise ValueError(f"all {len(rows)} trials failed; the first: {failed[0]['error']}")
     print(f"{'trial':<28} {'learning_rate':>13} {'batch':>5} {'epochs':>6} {'val_acc':>8} "
           f"{'test_acc':>8}")
     for r in rows:
@@ -246,13 +271,14 @@ def run() -> dict:
         test = "-" if r["test_accuracy"] is None else f"{r['test_accuracy']:.4f}"
         print(f"{r['trial'][:28]:<28} {r['learning_rate']:>13.5f} {r['global_batch_size']:>5} "
               f"{r['epochs'] or 0:>6} {val:>8} {test:>8}" + (f"  error: {r['error']}" if r["error"] else ""))
-    summary = {"trials": rows, "storage_path": storage, "placement_groups_left": len(left),
+    summary = {"trials": rows, "storage_path": None if temporary else storage,
+               "placement_groups_left": len(left),
                "best": {"learning_rate": best.config["learning_rate"],
                         "global_batch_size": best.config["global_batch_size"],
                         "val_accuracy": best.metrics.get("val_accuracy"),
                         "test_accuracy": best.metrics.get("test_accuracy")}}
     print(f"best: learning_rate {best.config['learning_rate']:.5f}, batch "
-          f"{best.config['global_batch_size']}: val accuracy {best.metrics.get('val_accuracy'):.4f},"
+          f"{best.config['global_batch_size']}: val accuracy {best.metrics.get('val_accuracy') or float('nan'):.4f},"
           f" test accuracy {best.metrics.get('test_accuracy') or float('nan'):.4f}; placement groups left: {len(left)}")
     return summary
 
