@@ -94,12 +94,13 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
     return bytes(out)
 
 
-def run() -> dict:
+def _setup():
+    """Every check before training: flags, the mesh, the table, the plan and the memory budget.
+    Returns (spec, mesh, table, factory, plan, memory); raises UsageError/ValueError."""
     import functools  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
     _check_flags()
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
 
     try:
@@ -115,9 +116,6 @@ def run() -> dict:
         table = layouts.load_table(FLAGS.layout)
     except ValueError as e:
         raise UsageError(f"--layout: {e}") from None
-    lead = dtk.cluster.is_lead_client()
-    say = print if lead else (lambda *a, **k: None)
-    say(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
@@ -131,6 +129,17 @@ def run() -> dict:
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
                                     shard_optimizer_state=shard)
+    return spec, mesh, table, factory, plan, memory
+
+
+def run() -> dict:
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, text  # pylint: disable=g-import-not-at-top
+    spec, mesh, table, factory, plan, memory = _setup()
+    lead = dtk.cluster.is_lead_client()
+    say = print if lead else (lambda *a, **k: None)
+    say(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
         return {}

@@ -29,8 +29,8 @@ flags.DEFINE_integer("workers", 1, "Ray workers (DTensor clients) per trial; 1: 
 # --mesh: each trial's mesh, over all its workers' devices.
 cli.define_flags(("mesh", "seed", "summary_json", "epochs", "dataset", "data_dir"), mesh="batch=4",
                  dataset="sample")
-flags.DEFINE_integer("validation_examples", 5000, "Training images held out for validation "
-                     "(at most half of the training set).")
+flags.DEFINE_integer("validation_examples", None, "Training images held out for validation "
+                     "(default: a quarter of them, at most 5,000; at most half).")
 flags.DEFINE_integer("concurrent", 1, "Trials run at once (each takes --workers CPUs).")
 flags.DEFINE_string("address", None, "Ray cluster address (e.g. auto); default: a local Ray on "
                     "127.0.0.1 with --num_cpus.")
@@ -57,7 +57,7 @@ def train_trial(config: dict) -> None:
     model_spec = models.MODEL_SPECS["mlp"]
     full = mnist.load_mnist("train", source=config["dataset"], data_dir=config["data_dir"])
     count = int(full.cardinality())
-    held = config["validation_examples"]
+    held = config["validation_examples"] or min(5000, count // 4)
     if held > count // 2:  # checked here: the data set's size is known once it is loaded
         raise ValueError(f"--validation_examples {held} is more than half of the {count} "
                          f"training images; use at most {count // 2}")
@@ -165,7 +165,7 @@ def _check_flags(dtk) -> None:
         raise UsageError(f"--num_cpus must be a positive integer; got {FLAGS.num_cpus} (leave it "
                          "out to use this machine's CPUs)")
     for name in ("trials", "epochs", "workers", "concurrent", "validation_examples"):
-        if getattr(FLAGS, name) < 1:
+        if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
@@ -188,7 +188,8 @@ def _check_flags(dtk) -> None:
     from dtk import mnist  # pylint: disable=g-import-not-at-top
     count = int(mnist.load_mnist("train", source=FLAGS.dataset,
                                  data_dir=FLAGS.data_dir).cardinality())
-    if count > 0 and FLAGS.validation_examples > count // 2:
+    if count > 0 and FLAGS.validation_examples is not None and \
+            FLAGS.validation_examples > count // 2:
         raise UsageError(f"--validation_examples {FLAGS.validation_examples} is more than half of "
                          f"the {count} training images; use at most {count // 2}")
 

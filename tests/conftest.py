@@ -26,7 +26,7 @@ assert len(tf.config.list_logical_devices("CPU")) == NUM_VIRTUAL_CPUS
 # TensorFlow processes run at once: that worker, its test's 2 clients, and the other worker.
 PROCESS_MODULES = {"test_launch", "test_ray", "test_cluster", "test_train_mnist", "test_lm",
                    "test_checkpoint_faults", "test_bad_inputs", "test_mesh", "test_input",
-                   "test_steps", "test_cli"}
+                   "test_steps", "test_cli", "test_entry_points"}
 
 # The time budget of a test in the fast lane (not marked slow): over it, the run fails.
 FAST_TEST_BUDGET_S = float(os.environ.get("DTK_FAST_TEST_BUDGET_S", "20"))

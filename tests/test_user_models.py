@@ -285,7 +285,7 @@ def test_export_names_the_weight_that_differs():
 # -- the real applications (slow) -----------------------------------------------------------------
 def _efficientnet_b0_no_dropout():
     """EfficientNetB0 without its dropout (random layers draw per device until issue 25)."""
-    from tf_keras.applications import efficientnet  # pylint: disable=g-import-not-at-top
+    from tf_keras.src.applications import efficientnet  # pylint: disable=g-import-not-at-top
     return efficientnet.EfficientNet(1.0, 1.0, 224, dropout_rate=0.0, drop_connect_rate=0.0,
                                      model_name="efficientnetb0", weights=None,
                                      input_shape=(32, 32, 3), classes=4)
@@ -302,26 +302,34 @@ APPLICATIONS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(APPLICATIONS))
-def test_application_trains_like_one_device(name):
+def test_application_step_equals_one_device(name):
+    """One SGD step of the real application on batch=8 equals plain tf_keras on one device
+    (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, every weight after
+    the update (so every gradient) to 1e-4. Longer horizons drift for an honest reason (BUILD.md, 'Models users
+    bring'): BatchNormalization's batch statistics are summed in another order on 8 devices, and
+    50 of them in a row amplify the last bits, step after step."""
     factory = APPLICATIONS[name]
     mesh = dtk.build_mesh("batch=8")
     model, _ = layouts.build_model(factory, mesh, "data_parallel", seed=2, allow_replicated=True)
     steps = dtk.Steps(model, loss=tf_keras.losses.SparseCategoricalCrossentropy(),
-                      optimizer=tf_keras.optimizers.Adam(1e-3, mesh=mesh), mesh=mesh)
+                      optimizer=tf_keras.optimizers.SGD(0.01, mesh=mesh), mesh=mesh)
     rng = np.random.default_rng(4)
-    x = (rng.random((2, B, 32, 32, 3)) * 255).astype(np.float32)
-    y = rng.integers(0, 4, (2, B)).astype(np.int64)
-    w = np.ones(B, np.float32)
-    losses = [float(steps.train(input_lib.pack(mesh, (xs, ys, w)))) for xs, ys in zip(x, y)]
+    x = (rng.random((B, 32, 32, 3)) * 255).astype(np.float32)
+    y = rng.integers(0, 4, B).astype(np.int64)
+    loss = float(steps.train(input_lib.pack(mesh, (x, y, np.ones(B, np.float32)))))
 
     tf_keras.utils.set_random_seed(2)
     plain = factory()
-    opt = tf_keras.optimizers.Adam(1e-3)
-    want = []
-    for xs, ys in zip(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf_keras.losses.SparseCategoricalCrossentropy()(ys, plain(xs, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, plain.trainable_variables),
-                                plain.trainable_variables))
-        want.append(float(loss))
-    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    for layer in plain.layers:
+        if isinstance(layer, L.BatchNormalization):
+            layer.fused = False
+    opt = tf_keras.optimizers.SGD(0.01)  # (Adam would turn rounding in near-zero gradients
+    with tf.GradientTape() as tape:      # into lr-sized steps: SGD compares the gradients)
+        want = tf_keras.losses.SparseCategoricalCrossentropy()(y, plain(x, training=True))
+    opt.apply_gradients(zip(tape.gradient(want, plain.trainable_variables),
+                            plain.trainable_variables))
+    np.testing.assert_allclose(loss, float(want), rtol=1e-5)
+    got = dict(zip([w.name for w in model.weights], dtk.gather_weights(model)))
+    for weight in plain.weights:
+        np.testing.assert_allclose(got[weight.name], weight.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=weight.name)

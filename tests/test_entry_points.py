@@ -1,0 +1,323 @@
+"""Bad inputs beyond train_mnist.py: the LM and Tune scripts, the launcher, DTK_* variables, the
+library API. Each case's outcome class is asserted: a clear one-line error naming the input
+("clear", with a phrase), or accepted and correct ("accepted").
+
+The scripts' checks run in one subprocess per script (their absl flags would collide in one
+process), every case through the script's own pre-training checks; no case trains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+from dtk import _env, launch as launch_lib
+from dtk import input as input_lib
+from tests import procs
+
+ACCEPTED = None  # the phrase of an accepted case
+
+LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
+    (["--mesh", "batch=2,tensor=4"], "mesh axis 'tensor' of size 4 shards no weight"),
+    (["--mesh", "batch=2,tensor=4", "--allow_replicated"], ACCEPTED),
+    (["--mesh", "model=8"], "has no 'batch' axis"),
+    (["--mesh", "batch=8"], ACCEPTED),
+    (["--mesh", "batch=1,model=8"], ACCEPTED),
+    (["--mesh", "batch=2,model=4", "--layout", "data_parallel"], "mesh axis 'model' of size 4"),
+    (["--mesh", "batch=2,model=4", "--layout", "nope"], "--layout: layout table 'nope' is unknown"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--temperature", "0"], ACCEPTED),
+    (["--sample_bytes", "-1"], "--sample_bytes must be >= 0"),
+    (["--sample_bytes", "0"], ACCEPTED),
+    (["--dropout", "1"], "--dropout must be in [0, 1)"),
+    (["--dim", "100", "--heads", "8"], "--dim 100 is not divisible by --heads 8"),
+    (["--learning_rate", "0"], "--learning_rate must be a positive, finite number"),
+    (["--learning_rate", "inf"], "--learning_rate must be a positive, finite number"),
+    (["--virtual_devices", "0"], "--virtual_devices must be a positive integer"),
+    (["--device_memory_gb", "-1"], "--device_memory_gb must be a positive, finite number"),
+    (["--device_memory_gb", "0.000001"], "does not fit the device memory budget"),
+    (["--summary_json", "/proc/nope/s.json"], "is not writable"),
+    (["--export_dir", "{file}/x"], "is a file, where a directory should be"),
+    (["--tensorboard_dir", "{file}"], "is a file; give a directory"),
+    (["--text_file", "/no/such/file"], "--text_file '/no/such/file' is not a file"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--seq_len", "0"], "--seq_len must be a positive integer"),
+]
+
+TUNE_CASES = [
+    (["--validation_examples", "100000"], "--validation_examples 100000 is more than half"),
+    (["--validation_examples", "-5"], "--validation_examples must be a positive integer"),
+    (["--validation_examples", "1000"], ACCEPTED),
+    (["--num_cpus", "0"], "--num_cpus must be a positive integer"),
+    (["--mesh", "batch=3"], "searched global batch sizes [64, 128, 256] are not divisible"),
+    (["--mesh", "model=4"], "has no 'batch' axis"),
+    (["--mesh", "batch=8", "--workers", "3"], "not divisible by --workers 3"),
+    (["--mesh", "batch=8", "--workers", "2"], ACCEPTED),
+    (["--summary_json", "{dir}"], "is a directory; give a file path"),
+    (["--trials", "0"], "--trials must be a positive integer"),
+    (["--dataset", "idx"], "--dataset idx needs --data_dir DIR"),
+]
+
+_RUNNER = textwrap.dedent("""
+    import json, runpy, sys, traceback
+    import dtk
+    dtk.configure_virtual_cpus(8)
+    script, cases = sys.argv[1], json.loads(sys.argv[2])
+    module = runpy.run_path(f"scripts/{script}.py", run_name="checks")
+    FLAGS = module["FLAGS"]
+    out = []
+    for argv in cases:
+        FLAGS.unparse_flags()
+        try:
+            FLAGS([f"{script}.py", *argv])
+            if script == "train_lm":
+                module["_setup"]()
+            else:
+                module["_check_flags"](dtk)
+            out.append(["accepted", ""])
+        except (ValueError, TypeError) as e:
+            out.append(["clear" if "\\n" not in str(e).strip() else "multi-line", str(e)])
+        except Exception as e:  # noqa
+            out.append(["other", traceback.format_exc()[-600:]])
+    print("RESULTS", json.dumps(out))
+""")
+
+
+def _run_cases(script, cases, tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir(exist_ok=True)
+    argvs = [[a.replace("{file}", str(tmp_path / "file")).replace("{dir}", str(tmp_path / "dir"))
+              for a in argv] for argv, _ in cases]
+    res = procs.run_python(_RUNNER, args=(script, json.dumps(argvs)), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.split("RESULTS", 1)[1])
+
+
+@pytest.mark.parametrize("script, cases", [
+    pytest.param("train_lm", LM_CASES, marks=pytest.mark.slow), ("tune_mnist", TUNE_CASES)])
+def test_script_inputs(script, cases, tmp_path):
+    results = _run_cases(script, cases, tmp_path)
+    problems = []
+    for (argv, phrase), (outcome, message) in zip(cases, results):
+        want = "accepted" if phrase is ACCEPTED else "clear"
+        if outcome != want or (phrase and phrase not in message):
+            problems.append(f"{argv}: {outcome}: {message[:300]}")
+    assert not problems, "\n".join(problems)
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+LAUNCH_CASES = [  # argv, phrase on stderr
+    (["--num_clients", "0", "--", "true"], "num_clients must be at least 1"),
+    (["--num_clients", "abc", "--", "true"], "invalid int value: 'abc'"),
+    (["--num_clients", "2", "--devices_per_client", "0", "--", "true"],
+     "devices_per_client must be positive"),
+    (["--num_clients", "2", "--max_restarts", "-1", "--", "true"], "max_restarts must be >= 0"),
+    (["--num_clients", "2", "--heartbeat_timeout", "nan", "--", "true"],
+     "heartbeat_timeout_s must be a positive, finite number"),
+    (["--num_clients", "2", "--heartbeat_timeout", "inf", "--", "true"],
+     "heartbeat_timeout_s must be a positive, finite number"),
+    (["--num_clients", "2", "--heartbeat_timeout", "0", "--", "true"],
+     "heartbeat_timeout_s must be a positive, finite number"),
+    (["--num_clients", "2", "--start_timeout", "-5", "--", "true"],
+     "start_timeout_s must be a positive, finite number"),
+    (["--num_clients", "2"], "no command to launch"),
+    (["--num_clients", "2", "--", "/nonexistent/cmd"], "'/nonexistent/cmd' is not an executable"),
+    (["--num_clients", "2", "--network", "bogus", "--", "true"], "invalid choice: 'bogus'"),
+    (["--num_clients", "2", "--colour", "red", "--", "true"], "unrecognized arguments: --colour"),
+]
+
+
+@pytest.mark.parametrize("argv, phrase", LAUNCH_CASES, ids=[" ".join(c[0][:4]) for c in LAUNCH_CASES])
+def test_launcher_inputs(argv, phrase, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch_lib.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert phrase in err and "Traceback" not in err, err
+
+
+# -- DTK_* variables ------------------------------------------------------------------------------
+ENV_CASES = [  # variable, value, phrase (None: accepted)
+    ("DTK_REGISTER_TIMEOUT_S", "abc", "is not a number of seconds"),
+    ("DTK_REGISTER_TIMEOUT_S", "0", "must be a positive, finite number"),
+    ("DTK_REGISTER_TIMEOUT_S", "30", None),
+    ("DTK_HEARTBEAT_TIMEOUT_S", "-1", "must be a positive, finite number"),
+    ("DTK_HEARTBEAT_TIMEOUT_S", "nan", "must be a positive, finite number"),
+    ("DTK_HEARTBEAT_TIMEOUT_S", "inf", "must be a positive, finite number"),
+    ("DTK_PORT_BASE", "abc", "is not an integer"),
+    ("DTK_PORT_BASE", "70000", "is not a TCP port"),
+    ("DTK_PORT_BASE", "23456", None),
+    ("DTK_LAYOUTS_DIR", "/nonexistent", "is not a directory"),
+    ("DTK_LAYOUTS_DIR", "{tmp}", None),
+    ("DTK_OFFLINE", "maybe", "is not a boolean"),
+    ("DTK_OFFLINE", "yes", None),
+    ("DTK_VIRTUAL_DEVICES", "0", "must be >= 1"),
+    ("DTK_VIRTUAL_DEVICES", "four", "is not an integer"),
+]
+
+
+@pytest.mark.parametrize("name, value, phrase", ENV_CASES)
+def test_environment_variables_are_checked_whatever_the_run_reads(name, value, phrase, monkeypatch,
+                                                                  tmp_path):
+    monkeypatch.setenv(name, value.replace("{tmp}", str(tmp_path)))
+    if phrase is None:
+        _env.check_all()
+    else:
+        with pytest.raises(ValueError, match=name) as err:
+            _env.check_all()
+        assert phrase in str(err.value)
+
+
+def test_scripts_check_the_environment_first():
+    res = procs.run_python(
+        "import runpy, sys; sys.argv = ['train_mnist.py', '--explain_layouts']; "
+        "runpy.run_path('scripts/train_mnist.py', run_name='__main__')",
+        timeout=120, env=procs.base_env(DTK_OFFLINE="maybe"))
+    assert res.returncode == 2 and res.stderr.startswith("error: DTK_OFFLINE='maybe'"), res.stderr
+
+
+# -- the library API ------------------------------------------------------------------------------
+def _mlp():
+    return tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(8, name="h"),
+                                tf_keras.layers.Dense(3, name="out")])
+
+
+def _data(mesh, labels="int", n=32):
+    rng = np.random.default_rng(0)
+    x = rng.random((n, 4)).astype(np.float32)
+    y = rng.integers(0, 3, n).astype(np.int64) if labels == "int" else (
+        rng.random(n) * 3).astype(np.float32)
+    if labels == "float column":  # regression targets shaped like the model's output
+        y = rng.random((n, 1)).astype(np.float32)
+    return input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), mesh,
+                                        input_lib.InputConfig(global_batch_size=16))
+
+
+def _trainer(mesh, **kwargs):
+    kwargs.setdefault("config", dtk.TrainerConfig(verbose=0, steps_per_execution=1))
+    kwargs.setdefault("model", _mlp)
+    return dtk.Trainer(mesh=mesh, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return dtk.build_mesh("batch=8")
+
+
+@pytest.mark.parametrize("value, error", [
+    ("batch=8", None), (dtk.parse_mesh_spec("batch=8"), None),
+    ([0], TypeError), (None, TypeError), ({"batch": 8}, TypeError)])
+def test_trainer_mesh_argument(value, error):
+    if error is None:
+        assert _trainer(value).mesh.dim_size("batch") == 8
+    else:
+        with pytest.raises(error, match="mesh must be a dtensor.Mesh"):
+            _trainer(value)
+
+
+def test_dataset_mesh_argument():
+    assert _data("batch=8").mesh.dim_size("batch") == 8
+    with pytest.raises(TypeError, match="mesh must be a dtensor.Mesh"):
+        _data([1])
+
+
+@pytest.mark.parametrize("metrics, names", [
+    ("accuracy", ["accuracy"]), (["accuracy", "top5"], ["accuracy", "top5"]), (None, ["accuracy"]),
+    ([], [])])
+def test_metrics_take_a_name_or_a_list(mesh, metrics, names):
+    assert [m.name for m in _trainer(mesh, metrics=metrics).steps.metrics] == names
+
+
+def test_unknown_metric_names_the_metric(mesh):
+    with pytest.raises(ValueError, match="metric 'nope' is unknown"):
+        _trainer(mesh, metrics="nope")
+
+
+def test_loss_reduction_none_is_refused(mesh):
+    with pytest.raises(ValueError, match="reduction='none'"):
+        _trainer(mesh, loss=tf_keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"))
+
+
+def test_loss_reduction_sum_is_the_sum_over_the_global_batch(mesh):
+    data = _data(mesh)
+    mean = _trainer(mesh, loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    summed = _trainer(mesh, loss=tf_keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum"), optimizer=dtk.make_optimizer("sgd", mesh,
+                                                                         learning_rate=1e-9))
+    np.testing.assert_allclose(summed.evaluate(data)["loss"], 16 * mean.evaluate(data)["loss"],
+                               rtol=1e-5)
+
+
+def _compiled_mlp():
+    model = _mlp()
+    model.compile(loss="mse", optimizer=tf_keras.optimizers.SGD(0.07), metrics=["mae"])
+    return model
+
+
+def test_compiled_factory_trains_with_its_compiled_settings(mesh):
+    trainer = _trainer(mesh, model=_compiled_mlp)
+    assert type(trainer.optimizer).__name__ == "SGD"
+    np.testing.assert_allclose(dtk.global_value(trainer.optimizer.learning_rate), 0.07, rtol=1e-6)
+    assert [m.name for m in trainer.steps.metrics] == ["mae"]
+    assert "MeanSquaredError" in str(trainer.steps.loss_fn)
+
+
+def test_given_settings_win_over_compiled_ones_with_one_line(mesh, caplog):
+    with caplog.at_level("INFO", logger="dtk"):
+        trainer = _trainer(mesh, model=_compiled_mlp, optimizer="adam",
+                           config=dtk.TrainerConfig(verbose=1, steps_per_execution=1))
+    assert type(trainer.optimizer).__name__ == "Adam"
+    lines = [r.getMessage() for r in caplog.records if "compiled optimizer" in r.getMessage()]
+    assert len(lines) == 1 and "SGD" in lines[0], lines
+
+
+def test_float_labels_with_a_sparse_loss_are_refused_before_a_step(mesh):
+    trainer = _trainer(mesh)
+    with pytest.raises(ValueError, match="labels are float32, but the loss is sparse"):
+        trainer.fit(_data(mesh, labels="float"), epochs=1)
+    assert trainer.global_step == 0
+
+
+def test_float_labels_with_a_float_loss_are_accepted(mesh):
+    model = lambda: tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])  # noqa
+    trainer = _trainer(mesh, model=model, loss="mse", metrics=[])
+    assert math.isfinite(trainer.fit(_data(mesh, labels="float column"), epochs=1
+                                     ).history["loss"][0])
+
+
+def test_validation_data_is_checked_before_the_first_step(mesh):
+    trainer = _trainer(mesh)
+    with pytest.raises(TypeError, match="data must be a dtk.DistributedDataset"):
+        trainer.fit(_data(mesh), epochs=1, validation_data=tf.data.Dataset.range(3))
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("spec, layout, allow, error", [
+    ("batch=4,model=2", "data_parallel", False, "mesh axis 'model' of size 2 shards no weight"),
+    ("batch=4,model=2", "data_parallel", True, None),
+    ("batch=4,model=2", "mlp_model_parallel", False, "shards none"),  # rules match no weight
+    ("batch=8", "data_parallel", False, None),
+])
+def test_idle_mesh_axes(spec, layout, allow, error):
+    if error is None:
+        _trainer(spec, layout=layout, allow_replicated=allow)
+    else:
+        with pytest.raises(ValueError, match=error):
+            _trainer(spec, layout=layout, allow_replicated=allow)
+
+
+def test_config_types_are_checked(mesh):
+    with pytest.raises(TypeError, match="config must be a dtk.InputConfig"):
+        input_lib.DistributedDataset(tf.data.Dataset.range(4), mesh, {"global_batch_size": 8})
+    with pytest.raises(TypeError, match="metrics must be a name, a metric, or a list"):
+        _trainer(mesh, metrics={"out": "accuracy"})
+
