@@ -304,8 +304,8 @@ APPLICATIONS = {
 @pytest.mark.parametrize("name", sorted(APPLICATIONS))
 def test_application_step_equals_one_device(name):
     """One SGD step of the real application on batch=8 equals plain tf_keras on one device
-    (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, every weight after
-    the update (so every gradient) to 1e-4. Longer horizons drift for an honest reason (BUILD.md, 'Models users
+    (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, every weight's update
+    (its gradient) to 1e-3 of its norm. Longer horizons drift for an honest reason (BUILD.md, 'Models users
     bring'): BatchNormalization's batch statistics are summed in another order on 8 devices, and
     50 of them in a row amplify the last bits, step after step."""
     factory = APPLICATIONS[name]
@@ -323,13 +323,19 @@ def test_application_step_equals_one_device(name):
     for layer in plain.layers:
         if isinstance(layer, L.BatchNormalization):
             layer.fused = False
+    initial = {key: w.numpy() for key, w in ckpt_lib._weights_by_identity(plain).items()}  # pylint: disable=protected-access
     opt = tf_keras.optimizers.SGD(0.01)  # (Adam would turn rounding in near-zero gradients
     with tf.GradientTape() as tape:      # into lr-sized steps: SGD compares the gradients)
         want = tf_keras.losses.SparseCategoricalCrossentropy()(y, plain(x, training=True))
     opt.apply_gradients(zip(tape.gradient(want, plain.trainable_variables),
                             plain.trainable_variables))
     np.testing.assert_allclose(loss, float(want), rtol=1e-5)
-    got = dict(zip([w.name for w in model.weights], dtk.gather_weights(model)))
-    for weight in plain.weights:
-        np.testing.assert_allclose(got[weight.name], weight.numpy(), rtol=1e-4, atol=1e-5,
-                                   err_msg=weight.name)
+    got = ckpt_lib._weights_by_identity(model)  # pylint: disable=protected-access
+    for key, weight in ckpt_lib._weights_by_identity(plain).items():  # pylint: disable=protected-access
+        # Each weight's update (its gradient, times the rate) equals one device's to 1e-3 of
+        # its norm; the weights themselves to 1e-4.
+        want = weight.numpy() - initial[key]
+        moved = dtk.global_value(got[key]) - initial[key]
+        assert np.linalg.norm(moved - want) <= 1e-3 * np.linalg.norm(want) + 1e-9, key
+        np.testing.assert_allclose(dtk.global_value(got[key]), weight.numpy(), rtol=1e-4,
+                                   atol=5e-5, err_msg=key)
