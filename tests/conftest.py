@@ -3,7 +3,9 @@
 dtk is imported first so its DTensor settings are in force before anything is traced.
 """
 
+import inspect
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,43 @@ dtk.configure_virtual_cpus(NUM_VIRTUAL_CPUS)
 assert len(tf.config.list_logical_devices("CPU")) == NUM_VIRTUAL_CPUS
 
 
-# Modules whose tests start TensorFlow processes (clients, scripts, Ray workers). Under
-# pytest-xdist (``-n 2`` in setup.cfg) they run on one worker, one at a time, so that at most 4
-# TensorFlow processes run at once: that worker, its test's 2 clients, and the other worker.
-PROCESS_MODULES = {"test_launch", "test_ray", "test_cluster", "test_train_mnist", "test_lm",
-                   "test_checkpoint_faults", "test_bad_inputs", "test_mesh", "test_input",
-                   "test_steps", "test_cli", "test_entry_points"}
+# Tests that start TensorFlow processes (clients, scripts, Ray workers) run on one pytest-xdist
+# worker (``-n 2`` in setup.cfg), one at a time, so that at most 4 TensorFlow processes run at
+# once: that worker, its test's 2 clients, and the other worker. A test starts processes when its
+# body, a fixture it uses, or a helper of its module that they call (transitively) mentions
+# ``procs.`` or ``subprocess``; the other tests of a module spread over both workers.
+_SPAWNS = re.compile(r"\bprocs\.|\bsubprocess\b")
+
+
+def _spawning_names(module) -> set[str]:
+    """Names of the module's functions that start processes, directly or through each other."""
+    sources = {}
+    for name, obj in vars(module).items():
+        target = getattr(obj, "__wrapped__", obj)
+        if inspect.isfunction(target) and target.__module__ == module.__name__:
+            try:
+                sources[name] = inspect.getsource(target)
+            except (OSError, TypeError):
+                pass
+    spawning = {n for n, src in sources.items() if _SPAWNS.search(src.split(":", 1)[-1])}
+    changed = True
+    while changed:
+        changed = False
+        for name, src in sources.items():
+            if name not in spawning and any(re.search(rf"\b{re.escape(s)}\b", src)
+                                            for s in spawning):
+                spawning.add(name)
+                changed = True
+    return spawning
+
+
+def _starts_processes(item, cache: dict) -> bool:
+    module = item.module
+    if module not in cache:
+        cache[module] = _spawning_names(module)
+    names = {item.function.__name__, *item.fixturenames}
+    return bool(names & cache[module])
+
 
 # The time budget of a test in the fast lane (not marked slow): over it, the run fails.
 FAST_TEST_BUDGET_S = float(os.environ.get("DTK_FAST_TEST_BUDGET_S", "20"))
@@ -34,15 +67,16 @@ _over_budget: list[tuple[str, float]] = []
 
 
 def pytest_collection_modifyitems(config, items):
-    """Groups the process-starting tests (see PROCESS_MODULES); skips or requires the tests
+    """Groups the process-starting tests (see _starts_processes); skips or requires the tests
     marked ``full_mnist``, which need the real MNIST files beside the checkout.
 
     In a user's fresh clone they skip with the reason; in CI (``DTK_REQUIRE_FULL_MNIST=1``) the
     files must be there, so a skip cannot hide a missing accuracy check.
     """
     del config
+    cache: dict = {}
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in PROCESS_MODULES:
+        if _starts_processes(item, cache):
             item.add_marker(pytest.mark.xdist_group("processes"))
     if (FULL_MNIST / "t10k-images-idx3-ubyte.gz").exists():
         return

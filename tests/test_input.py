@@ -224,7 +224,10 @@ def test_idx_errors(tmp_path):
 
 def test_tfds_route_with_mock_data(monkeypatch):
     import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.utils import gcs_utils
     monkeypatch.setattr(mnist, "network_reachable", lambda: True)
+    # Else TFDS looks the dataset's info up on GCS first: a 60 s timeout with no network.
+    monkeypatch.setattr(gcs_utils, "_is_gcs_disabled", True)
     with tfds.testing.mock_data(num_examples=40):
         ds = mnist.load_mnist("train", source="tfds")
         data = input_lib.DistributedDataset(ds, dtk.build_mesh("batch=8"),
