@@ -36,6 +36,7 @@ from tensorflow.experimental import dtensor
 
 from dtk import _env, op_support
 from dtk import keras_check
+from dtk.mesh import as_mesh
 
 try:
     import tomllib
@@ -350,6 +351,7 @@ def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
     The factory is called once outside any layout scope, to read weight paths and shapes from
     ordinary variables (a subclassed model is built by one call on zeros of ``input_shape``).
     """
+    mesh = as_mesh(mesh, "mesh")
     model = _plain_model(model_factory, input_shape, mesh)
     return _plan_model(load_table(table), mesh, model, strict=strict,
                        allow_replicated=allow_replicated)
@@ -444,6 +446,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
       TypeError: the factory returns no tf_keras model (or a Keras 3 one).
       ValueError: a bad plan (see ``plan_weights``), or a subclassed model without input_shape.
     """
+    mesh = as_mesh(mesh, "mesh")
     if not callable(model_factory):
         raise TypeError(f"model_factory must be a callable that returns a new tf_keras model; got "
                         f"{type(model_factory).__name__}")

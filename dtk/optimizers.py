@@ -21,6 +21,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.keras_check import require_keras2
+from dtk.mesh import as_mesh
 
 OPTIMIZERS: dict[str, str] = {
     "sgd": "SGD",
@@ -89,6 +90,7 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
         mesh, or kwargs given together with an instance.
     """
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    mesh = as_mesh(mesh, "mesh")
     require_keras2(optimizer, "optimizer")
     rate = kwargs.get("learning_rate")
     if isinstance(rate, (int, float)) and not (rate > 0 and math.isfinite(rate)):
@@ -160,6 +162,7 @@ def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtenso
                  ) -> list[tf_keras.metrics.Metric]:
     """``make_metric`` for each; one metric (a name or an instance) or None work too, as in Keras'
     ``compile``. Names must be unique, since they key the logs."""
+    mesh = as_mesh(mesh, "mesh")
     if metrics is None:
         metrics = []
     elif isinstance(metrics, (str, tf_keras.metrics.Metric)):

@@ -223,6 +223,16 @@ def test_trainer_mesh_argument(value, error):
             _trainer(value)
 
 
+def test_every_mesh_argument_takes_a_spec():
+    assert dtk.make_optimizer("sgd", "batch=8")._mesh.dim_size("batch") == 8  # pylint: disable=protected-access
+    model, _ = dtk.build_model(_mlp, "batch=8", "data_parallel", seed=0)
+    assert dtk.global_value(model.weights[0]).shape == (4, 8)
+    with pytest.raises(TypeError, match="mesh must be a dtensor.Mesh"):
+        dtk.build_model(_mlp, ["batch=8"], "data_parallel", seed=0)
+    with pytest.raises(TypeError, match="mesh must be a dtensor.Mesh"):
+        dtk.make_optimizer("adam", None)
+
+
 def test_dataset_mesh_argument():
     assert _data("batch=8").mesh.dim_size("batch") == 8
     with pytest.raises(TypeError, match="mesh must be a dtensor.Mesh"):
