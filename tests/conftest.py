@@ -99,10 +99,14 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A fast-lane test over budget fails the run: mark it slow, or make it faster."""
+    """A fast-lane test over budget fails a fast-lane run (``-m "not slow"``): mark it slow, or
+    make it faster. In the whole suite, where the slow tests load both cores, it is reported."""
     del exitstatus
     if _over_budget and not hasattr(session.config, "workerinput"):
         lines = "\n".join(f"  {t:.1f} s  {n}" for n, t in _over_budget)
-        print(f"\nerror: tests not marked slow took more than {FAST_TEST_BUDGET_S:.0f} s (BUILD.md, "
-              f"'Test budget'); mark them @pytest.mark.slow or make them faster:\n{lines}")
-        session.exitstatus = 1
+        fast_lane = session.config.getoption("markexpr", "").replace(" ", "") == "notslow"
+        print(f"\n{'error' if fast_lane else 'warning'}: tests not marked slow took more than "
+              f"{FAST_TEST_BUDGET_S:.0f} s (BUILD.md, 'Test budget'); mark them "
+              f"@pytest.mark.slow or make them faster:\n{lines}")
+        if fast_lane:
+            session.exitstatus = 1
