@@ -222,6 +222,7 @@ def test_idx_errors(tmp_path):
         mnist.load_mnist("test", source="web")
 
 
+@pytest.mark.slow  # TFDS still tries the network for some lookups: 0.7-60 s, depending on order
 def test_tfds_route_with_mock_data(monkeypatch):
     import tensorflow_datasets as tfds
     from tensorflow_datasets.core.utils import gcs_utils
