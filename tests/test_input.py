@@ -241,6 +241,7 @@ def test_tfds_route_with_mock_data(monkeypatch):
     assert 0.0 <= values.min() and values.max() <= 1.0
 
 
+@pytest.mark.slow  # importing TFDS's builders can wait on network lookups: 1-25 s by test order
 def test_tfds_offline_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setenv("DTK_OFFLINE", "1")
     with pytest.raises(mnist.DataUnavailableError, match="source='idx' with data_dir"):
