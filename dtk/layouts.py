@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import _env, op_support
+from dtk import _env, op_support, randomness
 from dtk import keras_check
 from dtk.mesh import as_mesh
 
@@ -431,8 +431,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
 
     DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` and
     ``BatchNormalization`` run unfused (DTensor's fused kernel has no layout propagation;
-    batch statistics are then computed over the global batch, as on one device); Dropout and other random layers use
-    TensorFlow's stateful generator (``enable_tf_random_generator``), which DTensor supports.
+    batch statistics are then computed over the global batch, as on one device); Dropout and other
+    random layers draw from ``dtk.randomness`` in dtk's train steps: the same values on every
+    mesh, keyed by (seed, step, layer, global index).
 
     Subclassed models (weights created on the first call) need ``input_shape``: dtk builds the
     plain copy with a call on zeros ``[1, *input_shape]`` and the laid-out model with a symbolic
@@ -498,7 +499,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
-    for line in op_support.adapt_layers(model):
+    for line in [*op_support.adapt_layers(model), *randomness.adapt_layers(model, seed=seed)]:
         _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).

@@ -20,11 +20,16 @@ IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
 
-def mnist_mlp(*, hidden: int = 128, name: str = "mnist_mlp") -> tf_keras.Model:
-    """784 -> hidden (relu) -> 10, as in the TensorFlow DTensor Keras tutorial."""
+def mnist_mlp(*, hidden: int = 128, dropout: float = 0.0,
+              name: str = "mnist_mlp") -> tf_keras.Model:
+    """784 -> hidden (relu) -> 10, as in the TensorFlow DTensor Keras tutorial.
+
+    With ``dropout > 0``, a ``Dropout`` layer (named ``drop``) follows the hidden layer.
+    """
     return tf_keras.Sequential([
         tf_keras.layers.Flatten(input_shape=IMAGE_SHAPE, name="flatten"),
         tf_keras.layers.Dense(hidden, activation="relu", name="d1"),
+        *([tf_keras.layers.Dropout(dropout, name="drop")] if dropout else []),
         tf_keras.layers.Dense(NUM_CLASSES, name="d2", dtype="float32"),
     ], name=name)
 

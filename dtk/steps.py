@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,9 +35,12 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk import randomness
 from dtk.cluster import num_clients
 from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.optimizers import make_loss, make_metrics, make_optimizer
+
+_log = logging.getLogger("dtk")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,6 +169,7 @@ class Steps:
         self.loss_metric = tf_keras.metrics.Mean(name="loss", mesh=mesh)
         check_batch_axis(mesh, config.batch_axis, what="StepConfig.batch_axis")
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
+        self._random_ops_checked = False
         self._masters = None
         shard = config.shard_optimizer_state
         if shard == "auto":
@@ -217,7 +222,11 @@ class Steps:
     def _train_body(self, batch):
         features, labels, weights = batch
         with tf.GradientTape() as tape:
-            predictions = self.model(features, training=True)
+            # Random layers draw for this step (the counter before its update): the same masks
+            # on every mesh, and again after a resume (dtk.randomness).
+            with randomness.step_scope(self.optimizer.iterations.read_value()):
+                predictions = self.model(features, training=True)
+            self._warn_uncovered_random_ops()
             loss, count = self._weighted_loss(labels, predictions, weights)
             total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
         variables = self.model.trainable_variables
@@ -242,6 +251,21 @@ class Steps:
         always = dtensor.call_with_layout(tf.ones, dtensor.Layout.replicated(self.mesh, 0),
                                           shape=[], dtype=tf.bool)
         return tf.cond(always, update, lambda: tf.identity(loss))
+
+    def _warn_uncovered_random_ops(self):
+        # Once per Steps: random ops of the forward pass that dtk.randomness did not build (a
+        # layer calling tf.random.* itself) draw per device, so their values depend on the mesh.
+        if self._random_ops_checked:
+            return
+        self._random_ops_checked = True
+        found = randomness.uncovered_random_ops(tf.compat.v1.get_default_graph())
+        if found:
+            where = "; ".join(f"{scope} ({', '.join(types)})" for scope, types in found.items())
+            _log.warning(
+                "random ops not covered by dtk.randomness: %s. Their values depend on the mesh "
+                "(each device draws with its own seed), so training with them does not match one "
+                "device; draw through the layer's self._random_generator (a tf_keras "
+                "BaseRandomLayer) to get mesh-independent values", where)
 
     def _sharded_update(self, grads, variables):
         # Pin each gradient to its weight's layout first: otherwise layout propagation pushes the
