@@ -216,6 +216,12 @@ def weight_paths(model: tf_keras.Model) -> list[tuple[str, tf.Variable]]:
     listed once, by its first path.
     """
     functional = getattr(model, "_is_graph_network", False) or isinstance(model, tf_keras.Sequential)
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        # RNN cells cache their dropout masks per graph; a cache of masks from two graphs cannot
+        # be walked (tf.Module sorts its keys). The masks live for one call only: drop them.
+        for cache in ("_dropout_mask_cache", "_recurrent_dropout_mask_cache"):
+            if hasattr(getattr(layer, cache, None), "clear"):
+                getattr(layer, cache).clear()
     roots = [(layer.name + ".", layer) for layer in model.layers] if functional else [("", model)]
     seen, out = set(), []
     for prefix, root in roots:
@@ -459,6 +465,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     tf_keras.utils.set_random_seed(seed)
     names = _layer_name_counters()
     reference = _plain_model(model_factory, input_shape, mesh, dtype=input_dtype)
+    op_support.check_layers(reference)  # before the laid-out build, whose errors name no layer
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
                        allow_replicated=allow_replicated)
     for warning in plan.warnings:

@@ -355,6 +355,16 @@ def check_layers(model: tf_keras.Model) -> None:
                 "cannot lay out, and dtk has no equivalent for it yet; use "
                 "tf_keras.layers.MaxPooling3D, or a strided Conv3D")
         if isinstance(layer, L.RNN) and not layer.unroll:
+            cells = getattr(layer.cell, "cells", [layer.cell])
+            rates = {k: getattr(c, k, 0) for c in cells for k in ("dropout", "recurrent_dropout")
+                     if getattr(c, k, 0)}
+            if rates:
+                raise ValueError(
+                    f"layer {layer.name!r} ({name}, {', '.join(f'{k}={v}' for k, v in rates.items())}"
+                    ") caches its dropout masks per graph, and with its recurrent loop the cache "
+                    "holds two graphs, which tf_keras cannot build under DTensor layouts; pass "
+                    "unroll=True to the layer (dtk unrolls recurrent layers anyway; the masks are "
+                    "then drawn the same on every mesh)")
             steps = _static_timesteps(layer)
             if steps is None:
                 raise ValueError(

@@ -20,7 +20,9 @@ Workloads: ``mlp`` is the MNIST MLP (784-128-10) at global batch 128; ``heavy`` 
 at global batch 1024; ``lm`` is the byte-level transformer LM of ``scripts/train_lm.py`` (2 blocks,
 dim 128, 8 heads, 128 tokens, global batch 32; Megatron table ``transformer_lm``), reported also in
 tokens/s (``python scripts/bench.py --workloads lm --variants
-dtk_batch8,dtk_batch4_model2,dtk_batch2_model4,dtk_batch1_model8``). All variants train with Adam on random MNIST-shaped data, pre-packed (input
+dtk_batch8,dtk_batch4_model2,dtk_batch2_model4,dtk_batch1_model8``); ``lm_dropout`` is the LM
+with dropout 0.1 (dtk.randomness's mesh-independent draws) and ``lm_dropout_keras`` the same with
+Keras's own generator, whose draws depend on the mesh (the cost before dtk.randomness). All variants train with Adam on random MNIST-shaped data, pre-packed (input
 packing is measured by ``scripts/bench_input.py``).
 
 ``--breakdown`` times pieces of one step in a single process on 8 virtual CPUs, alternating them
@@ -43,6 +45,12 @@ WORKLOADS = {
     "mlp": {"hidden": (128,), "batch": 128, "steps": 60},
     "heavy": {"hidden": (1024, 1024), "batch": 1024, "steps": 8},
     "lm": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12},
+    # The LM with dropout 0.1: dtk.randomness's mesh-independent draws, and (the "before") the
+    # draws of Keras's own generator, which depend on the mesh.
+    "lm_dropout": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12,
+                   "dropout": 0.1},
+    "lm_dropout_keras": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2,
+                         "steps": 12, "dropout": 0.1, "keras_rng": True},
 }
 MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
           "dtk_batch1_model8": "batch=1,model=8"}
@@ -141,8 +149,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     import tf_keras  # pylint: disable=g-import-not-at-top
 
     spec = WORKLOADS[workload]
-    if workload == "lm":
-        return _lm_worker(variant, spec, steps)
+    if workload.startswith("lm"):
+        return _lm_worker(variant, workload, spec, steps)
     batch, hidden = spec["batch"], spec["hidden"]
     spe = 10 if "_spe" in variant else 32 if variant == "dtk_default" else 1
     rng = np.random.default_rng(0)
@@ -208,7 +216,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
             "first_step_s": first, "timed_steps": len(times) * spe}
 
 
-def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
+def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     """The LM workload: the plain single-device step (floor) or dtk Steps on a mesh."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
@@ -222,7 +230,8 @@ def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
 
     def factory():
         return models.transformer_lm(vocab=256, seq_len=seq, dim=spec["dim"],
-                                     heads=spec["heads"], layers=spec["layers"])
+                                     heads=spec["heads"], layers=spec["layers"],
+                                     dropout=spec.get("dropout", 0.0))
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (batch, seq)).astype(np.int32)
@@ -240,6 +249,11 @@ def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
     else:
         mesh = dtk.build_mesh(MESHES.get(variant, "batch=8"))
         model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0)
+        if spec.get("keras_rng"):  # undo dtk.randomness: Keras's generator, per-device draws
+            from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
+            for layer in model._flatten_layers():  # pylint: disable=protected-access
+                if isinstance(getattr(layer, "_random_generator", None), backend.RandomGenerator):
+                    layer._random_generator.__class__ = backend.RandomGenerator  # pylint: disable=protected-access
         steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
                               mesh=mesh, config=dtk.StepConfig(
                                   shard_optimizer_state="_zero" in variant))
@@ -248,7 +262,7 @@ def _lm_worker(variant: str, spec: dict, steps: int) -> dict:
         first, times = _timed(lambda: steps_obj.train(packed), steps)
         first += build_s
     ms = statistics.median(times)
-    return {"variant": variant, "workload": "lm", "ms_per_step": ms, "first_step_s": first,
+    return {"variant": variant, "workload": workload, "ms_per_step": ms, "first_step_s": first,
             "timed_steps": len(times), "tokens_per_s": round(batch * seq / ms * 1000)}
 
 
@@ -436,7 +450,7 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="mlp,heavy", help="comma-separated: mlp, heavy")
+    parser.add_argument("--workloads", default="mlp,heavy", help="comma-separated: " + ", ".join(WORKLOADS))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=2, help="runs of every variant, alternating")
