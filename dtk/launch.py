@@ -18,7 +18,12 @@ client's exit code. Unlike a bare multi-client run, nothing hangs:
   client; clients still running after a grace period are killed, the launcher's temp directory is
   removed, and the launcher exits with 128 + the signal number;
 * a client that stops answering (frozen, or stopped with SIGSTOP) is named as the culprit, not the
-  client whose heartbeat check noticed it.
+  client whose heartbeat check noticed it;
+* nothing outlives the launcher (Linux): the launcher runs the group from an inner process that
+  it owns, with parent-death signals down the chain, so a SIGKILL of the launcher (a scheduler,
+  the OOM killer, ``kill -9``) stops the inner process and every client, and the temp directory
+  is removed by whichever process survives. Elsewhere (macOS) a killed launcher's clients run
+  until their peers' heartbeat timeout fails them.
 
 Network exposure: TensorFlow's gRPC servers, which DTensor clients start, listen on every
 interface (``0.0.0.0:<port>``; TensorFlow has no option to bind one address) and have no
@@ -57,6 +62,9 @@ _GRACE_S = 3.0      # SIGTERM -> SIGKILL
 _POLL_S = 0.1
 NETWORK_MODES = ("isolated", "host", "auto")
 _IN_NETNS_ENV = "_DTK_LAUNCH_IN_NETNS"  # set on the launcher re-run inside the namespace
+_INNER_ENV = "_DTK_LAUNCH_DIR"  # the outer launcher's temp dir, set on the inner launcher
+_PR_SET_PDEATHSIG = 1
+_PARENT_PID = os.getppid()  # the inner launcher's outer one (it was orphaned if this changes)
 # TensorFlow names an unreachable peer as /job:worker/replica:0/task:N in its errors.
 _TASK_IN_ERROR = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 _PEER_ERROR_WORDS = ("heartbeat", "unavailable", "failed to connect", "connection reset",
@@ -165,6 +173,30 @@ def _culprit(procs: list[subprocess.Popen], failed: int, code: int,
     return others[0] if others else None
 
 
+def _die_with_parent(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies (any signal,
+    SIGKILL included): Linux's parent-death signal, ``prctl(PR_SET_PDEATHSIG)``.
+
+    None elsewhere (macOS, BSD: no equivalent; a killed launcher's clients then run on until
+    their peers' heartbeat timeout fails them). Passed to processes started before any thread
+    (``preexec_fn`` is unsafe once a process has threads).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # pylint: disable=g-import-not-at-top
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: act as if after
+            os.kill(os.getpid(), sig)
+    return preexec
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -201,16 +233,23 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
               stop: type[_Stop] = _Stop) -> int:
     """Runs one group of clients until all succeed or one fails; returns the exit code."""
     out = out or sys.stdout
-    ready_dir = tempfile.mkdtemp(prefix="dtk-launch-")
+    # Inside the outer launcher's temp dir when there is one: it removes it if this one is killed.
+    root = os.environ.get(_INNER_ENV)
+    ready_dir = tempfile.mkdtemp(prefix="dtk-launch-", dir=root if root and os.path.isdir(root)
+                                 else None)
     procs, pumps = [], []
     suspects: list[set[int]] = [set() for _ in range(config.num_clients)]
     code, message = 0, None
     try:
         envs = client_envs(config, free_ports(config.num_clients), ready_dir)
-        for i, env in enumerate(envs):
-            p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
-            procs.append(p)
+        # Every client dies with this launcher, whatever kills it (SIGKILL too), on Linux. All
+        # are started before the pump threads (preexec_fn is unsafe in a threaded process).
+        preexec = _die_with_parent(signal.SIGKILL)
+        for env in envs:
+            procs.append(subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                          preexec_fn=preexec))
+        for i, p in enumerate(procs):
             t = threading.Thread(target=_pump, daemon=True,
                                  args=(p.stdout, f"[client {i}] ", out, suspects[i], i))
             t.start()
@@ -220,8 +259,11 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
             while True:
                 if stop.signum is not None:
                     code = 128 + stop.signum
-                    message = (f"received {signal.Signals(stop.signum).name}; stopping "
-                               f"{sum(p.poll() is None for p in procs)} running client(s)")
+                    why = (f"received {signal.Signals(stop.signum).name}" if
+                           not (root and os.getppid() != _PARENT_PID) else
+                           "the launcher (outer process) died")
+                    message = (f"{why}; stopping {sum(p.poll() is None for p in procs)} running "
+                               "client(s)")
                     break
                 codes = [p.poll() for p in procs]
                 failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -337,18 +379,37 @@ def _netns_prefix() -> list[str] | None:
     return None
 
 
-def _run_isolated(argv: Sequence[str], prefix: list[str]) -> int:
-    """Re-runs this launcher inside a private network namespace; forwards signals to it."""
-    env = dict(os.environ, **{_IN_NETNS_ENV: "1"})
-    proc = subprocess.Popen([*prefix, "--", sys.executable, "-m", "dtk.launch", *argv], env=env)
+def _run_inner(argv: Sequence[str], prefix: list[str] | None) -> int:
+    """Runs the group from an inner launcher process, which this (outer) one owns.
 
-    def forward(signum, frame):  # pylint: disable=unused-argument
-        if proc.poll() is None:
-            proc.send_signal(signum)
+    The outer launcher holds the temp dir and waits; the inner one (in a private network
+    namespace when ``prefix`` is the ``unshare`` command, else on the host's network) starts and
+    watches the clients. Ownership, whatever kills which (Linux): the inner launcher gets SIGTERM
+    when the outer one dies (it stops its clients and removes its files, as on Ctrl-C); the
+    clients get SIGKILL when the inner one dies; the outer one removes the temp dir and says what
+    happened when the inner one is killed.
+    """
+    root = tempfile.mkdtemp(prefix="dtk-launch-")
+    env = dict(os.environ, **{_INNER_ENV: root})
+    if prefix:
+        env[_IN_NETNS_ENV] = "1"
+    command = [*(prefix + ["--"] if prefix else []), sys.executable, "-m", "dtk.launch", *argv]
+    try:
+        proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent(signal.SIGTERM))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    return _exit_code(proc.wait())
+        def forward(signum, frame):  # pylint: disable=unused-argument
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, forward)
+        code = proc.wait()
+        if code < 0 and code not in (-signal.SIGTERM, -signal.SIGINT):  # not what we forwarded
+            print(f"dtk.launch: the inner launcher (pid {proc.pid}) {_describe(code)}; its "
+                  "clients were stopped with it", file=sys.stderr, flush=True)
+        return _exit_code(code)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -391,12 +452,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
         return 2
-    if os.environ.get(_IN_NETNS_ENV):
-        _loopback_up()
-    elif args.network != "host":
+    if os.environ.get(_INNER_ENV):  # the inner launcher
+        if os.environ.get(_IN_NETNS_ENV):
+            _loopback_up()
+        try:
+            return launch(command, config)
+        finally:
+            shutil.rmtree(os.environ[_INNER_ENV], ignore_errors=True)
+    if args.network == "host":
+        print("dtk.launch: warning: --network host: the clients' gRPC ports listen on all "
+              "interfaces, unauthenticated, and are reachable from other hosts unless a firewall "
+              "blocks them", file=sys.stderr, flush=True)
+    else:
         prefix = _netns_prefix()
         if prefix is not None:
-            return _run_isolated(original, prefix)
+            return _run_inner(original, prefix)
         text = ("cannot create a private network namespace here (needs root or unprivileged user "
                 "namespaces and the unshare command)")
         if args.network == "isolated":
@@ -406,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dtk.launch: warning: {text}; the clients' gRPC ports listen on all interfaces "
               "and are reachable from other hosts unless a firewall blocks them", file=sys.stderr,
               flush=True)
-    return launch(command, config)
+    return _run_inner(original, None)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,63 @@ def test_local_group_is_unreachable_and_sigterm_stops_everything(tmp_path):
     assert not list(tmpdir.glob("dtk-launch-*"))
 
 
+_SLEEPER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], f"pid-{os.environ['DTENSOR_CLIENT_ID']}"), "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.parametrize("network", ["auto", "host"])
+@pytest.mark.parametrize("victim", ["outer", "inner"])
+def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):
+    """SIGKILL of the launcher (outer) or of its inner process: within 5 s no client runs and no
+    dtk-launch-* temp dir is left (clients: a light script, no TensorFlow)."""
+    (tmp_path / "sleeper.py").write_text(_SLEEPER)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--network", network, "--",
+         sys.executable, str(tmp_path / "sleeper.py"), str(tmp_path)], cwd=procs.REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=procs.base_env(TMPDIR=str(tmpdir)))
+    clients = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(clients) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            clients = [int(p.read_text()) for p in tmp_path.glob("pid-*") if p.read_text()]
+            time.sleep(0.1)
+        inner = _children(proc.pid)
+        assert len(inner) == 1, inner
+        os.kill(proc.pid if victim == "outer" else inner[0], signal.SIGKILL)
+        time.sleep(5)
+        assert not [pid for pid in clients + inner if _alive(pid)]
+        assert not list(tmpdir.glob("dtk-launch-*"))
+        if victim == "inner":
+            _, err = proc.communicate(timeout=10)
+            assert proc.returncode == 128 + signal.SIGKILL
+            assert f"the inner launcher (pid {inner[0]}) was killed by SIGKILL; its clients were " \
+                   "stopped with it" in err, err
+        if network == "host":
+            assert "warning: --network host: the clients' gRPC ports listen on all interfaces" \
+                in (proc.communicate(timeout=10)[1] if victim == "outer" else err)
+    finally:
+        for pid in clients:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_frozen_client_is_named(tmp_path):
     proc, _ = _start(tmp_path, "--heartbeat_timeout", "5")
     try:
