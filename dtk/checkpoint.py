@@ -36,6 +36,8 @@ import logging
 import os
 import re
 import shutil
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,6 +87,87 @@ def check_writable(directory: str) -> None:
             os.remove(probe)
 
 
+# -- one writer per directory ---------------------------------------------------------------------
+_LOCK_FILE = ".dtk-lock"
+_HELD: dict[str, list[Any]] = {}  # real path -> [open lock file, holders in this process]
+
+
+def _holder_text(record: dict[str, Any]) -> str:
+    started = record.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
+    return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {when}, "
+            f"run {record.get('run_id', '?')}")
+
+
+def lock_directory(directory: str, *, run_id: str) -> None:
+    """Takes the exclusive lock on a checkpoint directory for the life of this process.
+
+    One writer per directory: two runs writing one directory interleave their checkpoints (data
+    files of two shard counts, a state file naming the other run's checkpoint) and corrupt each
+    other in silence. The lock is an ``flock`` on ``<directory>/.dtk-lock``, which holds the
+    holder's host, pid, start time and run id. The kernel drops it when the process dies (even by
+    SIGKILL), so a lock left by a dead process is taken over, with one warning naming it.
+    Re-entrant within a process (several Trainers of one script may share a directory).
+
+    On a network file system, ``flock`` works across machines where the server supports it
+    (Linux NFSv4 maps it to byte-range locks; some FUSE and object-store mounts ignore it):
+    there, keep one run per directory by other means.
+
+    Raises:
+      CheckpointError: another live process holds the lock (it is named).
+    """
+    import fcntl  # pylint: disable=g-import-not-at-top  (POSIX only)
+    import socket  # pylint: disable=g-import-not-at-top
+    key = os.path.realpath(directory)
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return
+    path = os.path.join(directory, _LOCK_FILE)
+    handle = open(path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        try:
+            holder = json.loads(handle.read() or "{}")
+        except ValueError:
+            holder = {}
+        handle.close()
+        raise CheckpointError(
+            f"checkpoint directory {directory} is in use by another run ({_holder_text(holder)}); "
+            "two runs writing one directory corrupt each other's checkpoints. Wait for that run "
+            "to finish or stop it, or give this run another checkpoint directory") from None
+    handle.seek(0)
+    try:
+        previous = json.loads(handle.read() or "{}")
+    except ValueError:
+        previous = {"host": "?"}
+    if previous:  # a holder that released cleanly leaves an empty record
+        _log.warning("checkpoint directory %s: taking over the lock left by a run that is no "
+                     "longer running (%s)", directory, _holder_text(previous))
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.time(), "run_id": run_id}))
+    handle.flush()
+    _HELD[key] = [handle, 1]
+
+
+def unlock_directory(directory: str) -> None:
+    """Releases this process's hold on ``directory`` (the lock goes with the last holder)."""
+    key = os.path.realpath(directory)
+    held = _HELD.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        handle = _HELD.pop(key)[0]
+        handle.seek(0)
+        handle.truncate()  # an empty record: released cleanly, nothing to take over
+        handle.flush()
+        handle.close()  # closing drops the flock
+
+
 def _step_of(path: str) -> int:
     match = _CKPT_NAME.search(path)
     return int(match.group(1)) if match else -1
@@ -120,13 +203,20 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
                  metrics: Sequence[Any] = (), max_to_keep: int = 3,
-                 mesh: dtensor.Mesh | None = None):
+                 mesh: dtensor.Mesh | None = None, lock: bool = True):
         if not directory:
             raise ValueError("checkpoint directory is empty; give a path")
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1; got {max_to_keep}")
         self.directory = os.fspath(directory)
         check_writable(self.directory)
+        # The id of the run that writes here: fresh, or the restored checkpoint's (a resumed run
+        # continues the run that wrote it). Recorded in every checkpoint and in the lock.
+        self.run_id = uuid.uuid4().hex[:12]
+        self._locked = lock and cluster.is_lead_client()
+        if self._locked:  # the lead client holds it for every client of the run
+            lock_directory(self.directory, run_id=self.run_id)
+        self._state_file_warned = False
         self.restored: str | None = None
         self._mesh = mesh
         self._state = _JsonState()
@@ -144,15 +234,21 @@ class Checkpointer:
 
     def _state_file_paths(self) -> list[str] | None:
         """The checkpoints the ``checkpoint`` state file names, newest first; None if unreadable."""
+        state_file = os.path.join(self.directory, "checkpoint")
         try:
             state = tf.train.get_checkpoint_state(self.directory)
+            problem = None if state is not None or not os.path.exists(state_file) else \
+                "it names no checkpoint"
         except Exception as e:  # pylint: disable=broad-except  (garbage, empty: parse errors)
-            _log.warning("checkpoint state file %s cannot be read (%s); looking for checkpoints "
-                         "by their files", os.path.join(self.directory, "checkpoint"),
-                         first_line(e))
+            state, problem = None, first_line(e)
+        if problem is not None:
+            if not self._state_file_warned:  # once, however often the directory is listed
+                self._state_file_warned = True
+                _log.warning("checkpoint state file %s cannot be read (%s); looking for "
+                             "checkpoints by their files", state_file, problem)
             return None
         if state is None:
-            return [] if not os.path.exists(os.path.join(self.directory, "checkpoint")) else None
+            return []
         paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
         return [p if os.path.isabs(p) else os.path.join(self.directory, p)
                 for p in reversed(paths) if p]
@@ -181,8 +277,10 @@ class Checkpointer:
         then does the ``checkpoint`` file, replaced atomically, name the new checkpoint. Older
         checkpoints beyond ``max_to_keep`` are deleted after that.
         """
-        self._state.value = dict(state)
+        self._state.value = {**state, "run_id": self.run_id}
         target = os.path.join(self.directory, f"ckpt-{step}")
+        if cluster.is_lead_client():
+            self._check_no_other_writer()
         try:
             os.makedirs(self.directory, exist_ok=True)
             path = self._checkpoint.write(target)
@@ -214,6 +312,26 @@ class Checkpointer:
             for f in tf.io.gfile.glob(old + ".*"):
                 tf.io.gfile.remove(f)
         return path
+
+    def _check_no_other_writer(self) -> None:
+        """Refuses to save when the newest checkpoint here is not one this run knows: another
+        run wrote it (one that got past the lock: another host on a file system without locks)."""
+        named = self._state_file_paths() or []
+        if not named or named[0] in self._paths or not os.path.exists(named[0] + ".index"):
+            return  # ours, or broken (restore skipped it; this save supersedes it)
+        other = run_id_of(named[0])
+        if other is not None and other != self.run_id:
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} holds {os.path.basename(named[0])}, "
+                f"written by another run (run {other}) while this run (run "
+                f"{self.run_id}) was using the directory; nothing was overwritten. Give each run "
+                "its own checkpoint directory")
+
+    def close(self) -> None:
+        """Releases the directory's lock (otherwise held until the process exits)."""
+        if self._locked:
+            self._locked = False
+            unlock_directory(self.directory)
 
     def restore(self, path: str | None = None) -> dict[str, Any] | None:
         """Restores ``path``, or the newest readable checkpoint; returns the loop state.
@@ -270,6 +388,7 @@ class Checkpointer:
                 "It was written by another model (or another optimizer); use a new checkpoint "
                 "directory or the model that wrote it") from e
         self.restored = path
+        self.run_id = self._state.value.get("run_id") or self.run_id
         return dict(self._state.value)
 
 
@@ -291,6 +410,16 @@ class Checkpointer:
                 f"checkpoint {path} does not match this model: it holds {len(saved)} model weights "
                 f"of shapes {saved}, the model has {len(have)} of shapes {have}. It was written by "
                 "another model; use a new checkpoint directory or the model that wrote it")
+
+
+def run_id_of(path: str) -> str | None:
+    """The id of the run that wrote checkpoint ``path`` (None: unreadable, or written before
+    dtk recorded it)."""
+    try:
+        raw = tf.train.load_checkpoint(path).get_tensor("loop/.ATTRIBUTES/py_state")
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("run_id")
+    except Exception:  # pylint: disable=broad-except  (any unreadable checkpoint)
+        return None
 
 
 def _clear_async_error() -> None:

@@ -57,6 +57,10 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
     "restart_from_scratch": SharedFlag(kind="bool", default=False, help=(
         "Remove the checkpoints in --checkpoint_dir and start again (by default a run resumes "
         "from them).")),
+    "allow_change": SharedFlag(kind="list", default=[], help=(
+        "Settings a resume may change on purpose, comma-separated (e.g. learning_rate,seed; "
+        "'model' for model hyper-parameters). By default a resume whose settings differ from "
+        "the checkpoint's is an error that lists them.")),
     "export_dir": SharedFlag(kind="string", default=None, help=(
         "Write the trained model as .keras and SavedModel here.")),
     "tensorboard_dir": SharedFlag(kind="string", default=None, help=(
@@ -91,7 +95,7 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
 
 # What the training scripts both take (tested: same names, same help, same kind).
 TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learning_rate",
-                  "checkpoint_dir", "restart_from_scratch", "export_dir", "tensorboard_dir",
+                  "checkpoint_dir", "restart_from_scratch", "allow_change", "export_dir", "tensorboard_dir",
                   "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
                   "mixed_precision", "allow_replicated")
 # Output paths: every one is checked before training by ``check_output_path``.

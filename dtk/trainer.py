@@ -25,7 +25,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ from dtk.errors import first_line
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
 from dtk import op_support
+from dtk import resume as resume_lib
 from dtk import keras_check
 from dtk.input import DataSource, DistributedDataset
 from dtk.mesh import BATCH_AXIS
@@ -100,6 +101,13 @@ class TrainerConfig:
         and epoch end, so no extra device sync.
       restart_from_scratch: when ``checkpoint_dir`` holds checkpoints, start again from step 0
         instead of resuming (new checkpoints then replace the old ones).
+      allow_change: settings a resume may change on purpose (see ``dtk.resume``), e.g.
+        ``("learning_rate", "seed")``; ``"model"`` allows every model hyper-parameter. Any other
+        difference from the checkpoint's settings is a ``ValueError`` listing each. An allowed
+        change is applied (a new learning rate is set on the restored optimizer) and reported
+        in ``Trainer.resume_changes``.
+      settings: more settings that shape the run, recorded in every checkpoint and compared on
+        resume like dtk's own (a script adds its data source, e.g. ``{"dataset": "idx"}``).
     """
 
     seed: int = 0
@@ -114,6 +122,8 @@ class TrainerConfig:
     batch_axis: str = BATCH_AXIS
     stop_on_nan: bool = True
     restart_from_scratch: bool = False
+    allow_change: tuple[str, ...] = ()
+    settings: Mapping[str, Any] | None = None
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
@@ -131,6 +141,10 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be a positive integer or None; got {self.max_steps}")
         if self.verbose not in (0, 1, 2):
             raise ValueError(f"verbose must be 0, 1 or 2; got {self.verbose!r}")
+        if isinstance(self.allow_change, str) or not all(
+                isinstance(k, str) and k for k in self.allow_change):
+            raise ValueError(f"allow_change must be a tuple of setting names, e.g. "
+                             f"('learning_rate', 'seed'); got {self.allow_change!r}")
 
 
 @dataclasses.dataclass
@@ -243,6 +257,8 @@ class Trainer:
         self._auto = None
         self._spe = 1 if config.steps_per_execution == "auto" else config.steps_per_execution
         self._checkpointer = None
+        self._settings: dict[str, Any] = {}
+        self.resume_changes: dict[str, dict[str, Any]] = {}
         if config.checkpoint_dir:
             self._checkpointer = ckpt_lib.Checkpointer(
                 config.checkpoint_dir, model=self.model, optimizer=self.optimizer,
@@ -254,6 +270,12 @@ class Trainer:
     def steps_per_execution(self) -> int:
         """Batches per compiled call in the last ``fit`` (the automatic choice under "auto")."""
         return self._auto.steps_per_call if self._auto is not None else self._spe
+
+    @property
+    def run_id(self) -> str | None:
+        """The id of the run that writes ``checkpoint_dir`` (a resumed run keeps the id of the
+        run it continues); None without checkpoints."""
+        return self._checkpointer.run_id if self._checkpointer is not None else None
 
     @property
     def global_step(self) -> int:
@@ -323,6 +345,10 @@ class Trainer:
             self._check_data(validation_data, stacked=1)
         steps_per_epoch = train_data.num_batches
         self.history = History()
+        self._settings = resume_lib.settings(
+            seed=self.config.seed, optimizer=self.optimizer, model=self.model, data=train_data,
+            mesh=",".join(f"{k}={v}" for k, v in mesh_lib.mesh_axis_sizes(self.mesh).items()),
+            num_clients=cluster.num_clients(), extra=self.config.settings)
         epoch, skip = self._resume(steps_per_epoch)
         dropped = train_data.num_dropped
         if dropped and self.config.verbose and cluster.is_lead_client():
@@ -469,6 +495,7 @@ class Trainer:
         state = self._checkpointer.restore()
         if state is None:
             return 0, 0
+        self._check_settings(state.get("settings"))
         self.steps.sync_update_state()
         if state.get("steps_per_epoch") != steps_per_epoch:
             raise ValueError(
@@ -485,6 +512,40 @@ class Trainer:
                       state["epoch"] + 1, state["batch_in_epoch"], self.global_step)
         return int(state["epoch"]), int(state["batch_in_epoch"])
 
+    def _check_settings(self, saved: dict[str, Any] | None) -> None:
+        """Refuses a resume whose settings differ from the checkpoint's, unless allowed."""
+        restored = self._checkpointer.restored
+        if saved is None:
+            _log.warning("checkpoint %s records no run settings (written by an older dtk): "
+                         "changed flags cannot be detected on this resume", restored)
+            return
+        unknown = [name for name in self.config.allow_change
+                   if not any(resume_lib.is_allowed(k, [name]) for k in self._settings)]
+        if unknown:
+            raise ValueError(f"allow_change names setting(s) {unknown} that this run does not "
+                             f"record; the settings are: {', '.join(sorted(self._settings))}")
+        diff = resume_lib.changes(saved, self._settings)
+        refused = {k: v for k, v in diff.items() if k not in resume_lib.FREE_KEYS
+                   and not resume_lib.is_allowed(k, self.config.allow_change)}
+        if refused:
+            raise ValueError(
+                f"checkpoint {restored} was written with other settings: "
+                f"{resume_lib.describe(refused)}. Resume with the same settings, use a new "
+                "checkpoint directory, or allow the change on purpose (--allow_change "
+                f"{','.join(refused)}; TrainerConfig(allow_change=...))")
+        for key, (old, new) in diff.items():
+            if key in resume_lib.FREE_KEYS:
+                if cluster.is_lead_client():
+                    _log.info("Resuming with %s %s (the checkpoint was written with %s): dtk "
+                              "resumes exactly across meshes", key, new, old)
+                continue
+            self.resume_changes[key] = {"old": old, "new": new}
+            if key == "learning_rate" and isinstance(new, float):
+                # The restored optimizer holds the checkpoint's rate: set the new one.
+                self.optimizer.learning_rate.assign(new)
+            if cluster.is_lead_client():
+                _log.warning("Resuming with %s changed on purpose: %s -> %s", key, old, new)
+
     def _save(self, epoch: int, batch_in_epoch: int, steps_per_epoch: int) -> None:
         if self._checkpointer is None:
             return
@@ -492,6 +553,7 @@ class Trainer:
         self._checkpointer.save({
             "epoch": epoch, "batch_in_epoch": batch_in_epoch, "steps_per_epoch": steps_per_epoch,
             "auto_steps_per_call": auto,  # a resumed run skips the calibration
+            "settings": self._settings,  # compared on resume (dtk.resume)
             "history": {"epochs": self.history.epochs, "logs": self.history.history},
         }, step=self.global_step)
 

@@ -171,6 +171,8 @@ def run() -> dict:
         config=dtk.TrainerConfig(seed=FLAGS.seed, checkpoint_dir=FLAGS.checkpoint_dir,
                                  tensorboard_dir=FLAGS.tensorboard_dir,
                                  restart_from_scratch=FLAGS.restart_from_scratch,
+                                 allow_change=tuple(FLAGS.allow_change),
+                                 settings={"corpus": FLAGS.text_file or "stdlib"},
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0))
@@ -206,6 +208,7 @@ def run() -> dict:
     return {
         "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.num_clients(), "layout": FLAGS.layout,
+        "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
         "train_loss": history.history.get("loss", []),

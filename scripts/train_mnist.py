@@ -176,7 +176,9 @@ def run() -> dict:
                                    else FLAGS.shard_optimizer_state),
             checkpoint_dir=FLAGS.checkpoint_dir, tensorboard_dir=FLAGS.tensorboard_dir,
             max_steps=FLAGS.max_steps, verbose=1 if lead else 0,
-            restart_from_scratch=FLAGS.restart_from_scratch))
+            restart_from_scratch=FLAGS.restart_from_scratch,
+            allow_change=tuple(FLAGS.allow_change),
+            settings={"data_source": FLAGS.dataset, "augment": FLAGS.augment}))
     if lead:
         print(layouts.explain(trainer.layout_plan).splitlines()[-1], flush=True)
 
@@ -196,6 +198,9 @@ def run() -> dict:
         "steps_per_execution": trainer.steps_per_execution,
         "shard_optimizer_state": trainer.steps.shard_optimizer_state,
         "steps": trainer.global_step,
+        # Settings changed on purpose at a resume (--allow_change): {key: {old, new}}; the values
+        # above are the ones used.
+        "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "train_examples_per_epoch": train.num_examples,
         "train_dropped_per_epoch": train.num_dropped,
         "train_loss": history.history.get("loss", []),

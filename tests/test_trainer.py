@@ -3,6 +3,8 @@
 import functools
 import glob
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import dtk
 from dtk import checkpoint as ckpt_lib
 from dtk import input as input_lib
 from dtk import models
+from tests import procs
 
 # With dropout: parity with one device and resume == uninterrupted hold with random layers too
 # (dtk.randomness draws the same masks on every mesh and after a restore).
@@ -132,8 +135,90 @@ def test_resume_with_other_data_is_a_clear_error(tmp_path):
     source = _trainer(checkpoint_dir=str(tmp_path))
     source.fit(_data(source.mesh), epochs=1)
     again = _trainer(checkpoint_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="6 steps per epoch, but this data gives 3"):
+    with pytest.raises(ValueError, match=r"other settings: train_examples 200 -> 100\. .*"
+                                         r"--allow_change train_examples"):
         again.fit(_data(again.mesh, n=100), epochs=2)
+    # Allowed, the size still cannot resume at the same position: that is said too.
+    allowed = _trainer(checkpoint_dir=str(tmp_path), allow_change=("train_examples",))
+    with pytest.raises(ValueError, match="6 steps per epoch, but this data gives 3"):
+        allowed.fit(_data(allowed.mesh, n=100), epochs=2)
+
+
+@pytest.mark.parametrize("change, kwargs, listed", [
+    ("seed", dict(seed=4), "seed 3 -> 4"),
+    ("learning_rate", dict(lr=0.02), "learning_rate 0.01 -> 0.02"),
+    ("dropout", dict(factory=functools.partial(models.mnist_mlp, hidden=16, dropout=0.3)),
+     "model.3:Dropout.rate 0.2 -> 0.3"),
+    ("several", dict(seed=4, lr=0.02), "learning_rate 0.01 -> 0.02; seed 3 -> 4"),
+])
+def test_resume_with_changed_settings_lists_them(tmp_path, change, kwargs, listed):
+    source = _trainer(checkpoint_dir=str(tmp_path), max_steps=3)
+    source.fit(_data(source.mesh), epochs=1)
+    mesh = dtk.build_mesh("batch=8")
+    again = dtk.Trainer(mesh=mesh, model=kwargs.get("factory", FACTORY), layout="data_parallel",
+                        optimizer=dtk.make_optimizer("adam", mesh,
+                                                     learning_rate=kwargs.get("lr", 0.01)),
+                        config=dtk.TrainerConfig(seed=kwargs.get("seed", 3), verbose=0,
+                                                 checkpoint_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="other settings: " + re.escape(listed) + r"\. "):
+        again.fit(_data(mesh), epochs=1)
+
+
+def test_allowed_learning_rate_change_is_applied(tmp_path):
+    """Allowed on purpose, the new rate is really used (the checkpoint's would win otherwise)."""
+    def run(directory, lr, allow=(), max_steps=None):
+        mesh = dtk.build_mesh("batch=8")
+        trainer = dtk.Trainer(mesh=mesh, model=FACTORY, layout="data_parallel",
+                              optimizer=dtk.make_optimizer("adam", mesh, learning_rate=lr),
+                              config=dtk.TrainerConfig(seed=3, verbose=0, checkpoint_dir=directory,
+                                                       allow_change=allow, max_steps=max_steps))
+        return trainer, trainer.fit(_data(mesh), epochs=2).history["loss"]
+
+    for name in ("a", "b"):
+        run(str(tmp_path / name), 0.01, max_steps=6)
+    changed, got = run(str(tmp_path / "a"), 0.05, allow=("learning_rate",))
+    _, same = run(str(tmp_path / "b"), 0.01)
+    assert changed.resume_changes == {"learning_rate": {"old": 0.01, "new": 0.05}}
+    np.testing.assert_allclose(float(changed.optimizer.learning_rate.numpy()), 0.05, rtol=1e-6)
+    assert abs(got[1] - same[1]) > 1e-3, (got, same)   # epoch 2 trained at the new rate
+    with pytest.raises(ValueError, match=r"allow_change names setting\(s\) \['learnin_rate'\]"):
+        run(str(tmp_path / "b"), 0.01, allow=("learnin_rate",))
+
+
+def test_second_run_on_a_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog):
+    """One writer per directory: a live holder (another process) is named; a dead one's lock is
+    taken over with one warning."""
+    holder = procs.run_python(
+        "import fcntl, json, os, sys, time\n"
+        "f = open(os.path.join(sys.argv[1], '.dtk-lock'), 'a+')\n"
+        "fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "f.write(json.dumps({'host': 'h1', 'pid': os.getpid(), 'started': 0, 'run_id': 'r1'}))\n"
+        "f.flush(); print('HELD', flush=True); time.sleep(float(sys.argv[2]))\n",
+        args=(str(tmp_path), "0"), timeout=60)
+    assert holder.returncode == 0  # it held the lock and died: its record stays
+    with caplog.at_level("WARNING", logger="dtk"):
+        trainer = _trainer(checkpoint_dir=str(tmp_path))
+    taken = [r.getMessage() for r in caplog.records if "taking over the lock" in r.getMessage()]
+    assert len(taken) == 1 and "host h1" in taken[0] and "run r1" in taken[0], taken
+    trainer._checkpointer.close()
+
+    import subprocess  # pylint: disable=g-import-not-at-top
+    live = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, json, os, sys, time\n"
+         "f = open(os.path.join(sys.argv[1], '.dtk-lock'), 'a+')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX); f.seek(0); f.truncate()\n"
+         "f.write(json.dumps({'host': 'h2', 'pid': os.getpid(), 'started': 0, 'run_id': 'r2'}))\n"
+         "f.flush(); print('HELD', flush=True); time.sleep(60)\n", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "HELD"
+        with pytest.raises(ckpt_lib.CheckpointError,
+                           match=rf"{re.escape(str(tmp_path))} is in use by another run \(host h2, "
+                                 rf"pid {live.pid}, started .*, run r2\)"):
+            _trainer(checkpoint_dir=str(tmp_path))
+    finally:
+        live.kill()
+        live.wait(timeout=10)
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
