@@ -137,3 +137,48 @@ def test_mixed_precision_trains(tmp_path, batch8):
                         "--global_batch_size", "256", "--mixed_precision")
     np.testing.assert_allclose(summary["train_loss"], batch8[0]["train_loss"], rtol=5e-2)
     assert summary["test_accuracy"] > 0.8
+
+
+def test_one_writer_per_directory_and_resume_checks_changed_flags(tmp_path):
+    """A second run on a live run's checkpoint directory fails before training, naming the
+    holder; the first finishes. Resuming with changed flags is one error line listing them;
+    allowed on purpose, the new learning rate is used and the summary shows both values."""
+    import time
+    ckpt = tmp_path / "ckpt"
+    base = ["--mesh", "batch=8", "--dataset", "idx", "--data_dir", DATA, "--global_batch_size",
+            "256", "--checkpoint_dir", str(ckpt), "--epochs", "8"]  # long enough to collide
+    first = subprocess.Popen([sys.executable, SCRIPT, *base, "--summary_json",
+                              str(tmp_path / "first.json")], env=procs.base_env(), cwd=procs.REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        lock = ckpt / ".dtk-lock"
+        while not (lock.exists() and lock.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.1)
+        second = _run(*base)
+        assert first.poll() is None, "the first run ended before the second one checked"
+        assert second.returncode == 2, second.stderr[-2000:]
+        errors = [l for l in second.stderr.splitlines() if l.startswith("error:")]
+        assert len(errors) == 1 and "is in use by another run" in errors[0] and \
+            f"pid {first.pid}," in errors[0], second.stderr[-2000:]
+        assert "Traceback" not in second.stderr
+        assert first.wait(timeout=TIMEOUT) == 0, first.stderr.read()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    done = json.loads((tmp_path / "first.json").read_text())
+
+    changed = _run(*base[:-2], "--epochs", "9", "--seed", "6", "--learning_rate", "0.5")
+    assert changed.returncode == 2
+    errors = [l for l in changed.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and f"data_seed 0 -> 6; learning_rate {done['learning_rate']} -> " \
+        "0.5; seed 0 -> 6" in errors[0] and "--allow_change data_seed,learning_rate,seed" in \
+        errors[0], changed.stderr[-2000:]
+
+    summary, _ = _train(tmp_path, "allowed", *base[:-2], "--epochs", "9", "--learning_rate", "0.5",
+                        "--allow_change", "learning_rate")
+    assert summary["learning_rate"] == 0.5 and summary["run_id"] == done["run_id"]
+    assert summary["resume_changes"] == {
+        "learning_rate": {"old": done["learning_rate"], "new": 0.5}}
+    assert summary["train_loss"][:8] == done["train_loss"]
