@@ -258,6 +258,32 @@ def run_reporting_errors(run: Callable[[], Any]) -> tuple[int, Any]:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr, flush=True)
         return 2, None
+    except Exception as e:  # pylint: disable=broad-except
+        line = _lost_peer_line(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 1, None
+
+
+def _lost_peer_line(e: BaseException) -> str | None:
+    """One ``error:`` line for a client of a multi-client run whose peer died (the launcher
+    names the client that failed); None for anything else (it keeps its traceback)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(e, tf.errors.OpError):
+        return None
+    from dtk import cluster, launch  # pylint: disable=g-import-not-at-top
+    from dtk.errors import first_line  # pylint: disable=g-import-not-at-top
+    if cluster.num_clients() < 2:
+        return None
+    text = str(e)
+    if not any(w in text.lower() for w in launch._PEER_ERROR_WORDS):  # pylint: disable=protected-access
+        return None
+    peers = sorted({int(t) for t in launch._TASK_IN_ERROR.findall(text)}  # pylint: disable=protected-access
+                   - {cluster.client_id()})
+    who = f"client {peers[0]}" if peers else "another client"
+    return (f"error: client {cluster.client_id()} lost contact with {who} ({type(e).__name__}: "
+            f"{first_line(e, limit=200)}); stopping")
 
 
 def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,

@@ -17,7 +17,7 @@ def first_line(e: BaseException, limit: int = 500) -> str:
     if not text:
         return type(e).__name__
     line = text[0]
-    if re.match(r"\d+ root error\(s\) found", line):
+    if re.search(r"\d+ root error\(s\) found", line):  # also after a code: "RESOURCE_EXHAUSTED: 2 root ..."
         causes = [t for t in text if t.startswith("(0)")]
         line = causes[0][3:].strip() if causes else line
     line = re.sub(r"\{\{[^}]*\}\}\s*", "", line)

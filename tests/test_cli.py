@@ -178,3 +178,34 @@ def test_bad_launch_timeouts_are_refused():
         with pytest.raises(ValueError, match="heartbeat_timeout_s must be a positive, finite"):
             launch_lib.LaunchConfig(num_clients=2, heartbeat_timeout_s=value)
 
+
+
+def test_a_client_whose_peer_died_says_one_line(monkeypatch, capsys):
+    """The survivor of a killed peer: one error line naming the peer, exit 1, no traceback."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(cluster, "num_clients", lambda: 2)
+    monkeypatch.setattr(cluster, "client_id", lambda: 0)
+
+    def lost():
+        raise tf.errors.UnavailableError(
+            None, None, "2 root error(s) found.\n  (0) UNAVAILABLE: failed to connect to all "
+            "addresses; last error: Connection refused /job:worker/replica:0/task:1\n  (1) ...")
+    status, _ = cli.run_reporting_errors(lost)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(err) == 1, err
+    assert err[0].startswith("error: client 0 lost contact with client 1 (UnavailableError: "
+                             "UNAVAILABLE: failed to connect"), err
+
+    def other():
+        raise tf.errors.InvalidArgumentError(None, None, "a bug, not a peer")
+    with pytest.raises(tf.errors.InvalidArgumentError):  # anything else keeps its traceback
+        cli.run_reporting_errors(other)
+
+
+def test_failed_save_names_its_cause():
+    from dtk.errors import first_line  # pylint: disable=g-import-not-at-top
+    e = RuntimeError("RESOURCE_EXHAUSTED: 2 root error(s) found.\n  (0) RESOURCE_EXHAUSTED: "
+                     "{{function_node __inference_save_fn_3}} /ckpt/ckpt-47_temp/part-0.data; No "
+                     "space left on device\n  (1) RESOURCE_EXHAUSTED: ...")
+    assert first_line(e) == "RESOURCE_EXHAUSTED: /ckpt/ckpt-47_temp/part-0.data; No space left on device"
