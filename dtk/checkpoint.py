@@ -30,6 +30,7 @@ SavedModel for serving.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import logging
@@ -150,7 +151,15 @@ def lock_directory(directory: str, *, run_id: str) -> None:
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                              "started": time.time(), "run_id": run_id}))
     handle.flush()
+    if not _HELD:
+        atexit.register(_release_all)  # a run that ends (even by an error) leaves no record
     _HELD[key] = [handle, 1]
+
+
+def _release_all() -> None:
+    for key in list(_HELD):
+        _HELD[key][1] = 1
+        unlock_directory(key)
 
 
 def unlock_directory(directory: str) -> None:

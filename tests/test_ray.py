@@ -61,7 +61,7 @@ DRIVER = TRAIN + textwrap.dedent("""
                 json.dump(losses, f)
 
     results = {}
-    for name, kill in (("plain", None), ("killed", 6)):
+    for name, kill in (("killed", 6),):  # a killed run restarts; its losses must still match
         result = dtk.ray.DTensorTrainer(
             loop, train_loop_config={"ckpt": os.path.join(out, name + "-ckpt"), "out": out,
                                      "name": name, "kill": kill},
@@ -78,7 +78,9 @@ DRIVER = TRAIN + textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def ray_runs(tmp_path_factory):
-    """The single-process losses, and two DTensorTrainer runs (plain, and with client 1 killed)."""
+    """The single-process losses, and a DTensorTrainer run whose client 1 is killed at step 6:
+    the group restarts from Ray's checkpoint, and its losses must equal the single process's (a
+    run without a kill is the first half of it; one Ray run keeps the suite short)."""
     out = tmp_path_factory.mktemp("ray")
     single = procs.run_python(TRAIN + "import json; print('LOSSES', json.dumps(train()))", timeout=180)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -90,14 +92,7 @@ def ray_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_ray_train_workers_match_one_process(ray_runs):
-    got = json.loads((ray_runs["out"] / "plain.json").read_text())
-    np.testing.assert_allclose(got, ray_runs["single"], rtol=1e-6)
-    assert ray_runs["results"]["plain"] == {"epoch": 3, "error": "None", "checkpoint": True}
-
-
-@pytest.mark.slow
-def test_killed_worker_restarts_from_rays_checkpoint(ray_runs):
+def test_two_ray_train_workers_match_one_process_and_restart_after_a_kill(ray_runs):
     out = ray_runs["out"]
     assert (out / "killed").exists(), "client 1 was never killed"
     got = json.loads((out / "killed.json").read_text())
