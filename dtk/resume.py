@@ -42,12 +42,12 @@ def learning_rate_of(optimizer: Any) -> Any:
 
 
 def model_settings(model: tf_keras.Model) -> dict[str, Any]:
-    """The model's name and every layer's scalar hyper-parameters, keyed ``model.<layer>.<key>``.
+    """Every layer's scalar hyper-parameters, keyed ``model.<position>:<class>.<key>``.
 
-    Layers are named by their position and class (``model.2:Dropout.rate``): names of unnamed
-    layers depend on what else the process built, positions do not.
+    Layers are named by their position and class (``model.3:Dropout.rate``), never by name: the
+    names of unnamed layers and models (``model_79``) depend on what else the process built.
     """
-    out: dict[str, Any] = {"model": model.name}
+    out: dict[str, Any] = {}
     for index, layer in enumerate(model._flatten_layers(include_self=False)):  # pylint: disable=protected-access
         try:
             config = layer.get_config()
