@@ -72,9 +72,10 @@ PORT_BASE = "DTK_PORT_BASE"                    # Slurm: first port of a node's c
 LAYOUTS_DIR = "DTK_LAYOUTS_DIR"                # extra directory of user layout tables
 OFFLINE = "DTK_OFFLINE"                        # 1: never try the network (TFDS)
 BLAMED_FILE = "DTK_BLAME_FILE"                 # a client writes here which client it lost
+GRAPPLER = "DTK_GRAPPLER"                      # 1: keep Grappler's meta optimizer on CPU meshes
 
 DTK_VARIABLES = (VIRTUAL_DEVICES, READY_FILE, REGISTER_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, PORT_BASE,
-                 LAYOUTS_DIR, OFFLINE, BLAMED_FILE)
+                 LAYOUTS_DIR, OFFLINE, BLAMED_FILE, GRAPPLER)
 
 
 def get_str(name: str) -> str | None:
@@ -163,6 +164,7 @@ def check_all() -> None:
     if port is not None and port > 65535:
         raise ValueError(f"{PORT_BASE}={port} is not a TCP port; set 1024-65535 or unset it")
     get_flag(OFFLINE)
+    get_flag(GRAPPLER)
     for directory in (get_str(LAYOUTS_DIR) or "").split(":"):
         if directory and not os.path.isdir(directory):
             raise ValueError(f"{LAYOUTS_DIR}={get_str(LAYOUTS_DIR)!r}: {directory!r} is not a "

@@ -271,6 +271,12 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
             f"{clients} clients (DTENSOR_JOBS); use a mesh whose size is a multiple of {clients}")
     local_needed = mesh_spec.num_devices // clients
     _initialize(kind, local_needed, virtual_devices)
+    if kind == "CPU" and not _env.get_flag(_env.GRAPPLER):
+        # Grappler's meta optimizer took half of DTensor's first step on CPU meshes here and
+        # bought nothing after it (LM on batch=8: first step 12.8-15.0 s -> 6.3-6.6 s, steps
+        # 293 -> 271-277 ms; batch=4,model=2 and the heavy MLP within 2%; BUILD.md, "DTensor
+        # settings"). Left on for GPUs and TPUs (its layout optimizer matters there; unmeasured).
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
 
     available = local_device_count(kind)
     if local_needed > available:

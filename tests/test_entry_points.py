@@ -159,6 +159,8 @@ ENV_CASES = [  # variable, value, phrase (None: accepted)
     ("DTK_LAYOUTS_DIR", "{tmp}", None),
     ("DTK_OFFLINE", "maybe", "is not a boolean"),
     ("DTK_OFFLINE", "yes", None),
+    ("DTK_GRAPPLER", "sometimes", "is not a boolean"),
+    ("DTK_GRAPPLER", "1", None),
     ("DTK_VIRTUAL_DEVICES", "0", "must be >= 1"),
     ("DTK_VIRTUAL_DEVICES", "four", "is not an integer"),
 ]

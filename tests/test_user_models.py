@@ -284,7 +284,8 @@ def test_export_names_the_weight_that_differs():
 
 # -- the real applications (slow) -----------------------------------------------------------------
 def _efficientnet_b0_no_dropout():
-    """EfficientNetB0 without its dropout (random layers draw per device until issue 25)."""
+    """EfficientNetB0 without its dropout: the plain tf_keras reference draws other masks than
+    dtk (dtk's are the same on every mesh, tests/test_randomness.py)."""
     from tf_keras.src.applications import efficientnet  # pylint: disable=g-import-not-at-top
     return efficientnet.EfficientNet(1.0, 1.0, 224, dropout_rate=0.0, drop_connect_rate=0.0,
                                      model_name="efficientnetb0", weights=None,
@@ -300,8 +301,12 @@ APPLICATIONS = {
 }
 
 
+# DenseNet121's first step alone took 110 s of the suite (DTensor compiles its 121 layers): it
+# runs with pytest -m zoo, before a release (BUILD.md, "Test budget"); its pieces (dense blocks,
+# average-pooling transitions) are tested above on every run.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(APPLICATIONS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.zoo) if n == "DenseNet121"
+                                  else n for n in sorted(APPLICATIONS)])
 def test_application_step_equals_one_device(name):
     """One SGD step of the real application on batch=8 equals plain tf_keras on one device
     (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, the whole update
