@@ -244,6 +244,30 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):
             proc.kill()
 
 
+def test_second_group_on_a_checkpoint_directory_is_refused(tmp_path):
+    """Two 2-client groups on one checkpoint directory: the second one's lead client finds the
+    first one's lock and the whole second group stops before training, naming the holder."""
+    ckpt = tmp_path / "ckpt"
+    proc, _ = _start(tmp_path, MC_CKPT=str(ckpt))
+    try:
+        lock = ckpt / ".dtk-lock"
+        deadline = time.monotonic() + TIMEOUT
+        while not (lock.exists() and lock.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.2)
+        holder = json.loads(lock.read_text())
+        res, took = _launch("--num_clients", "2", "--devices_per_client", "4", "--",
+                            sys.executable, CLIENT, env=procs.base_env(MC_CKPT=str(ckpt)))
+        assert proc.poll() is None, "the first group ended before the second one checked"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert res.returncode != 0
+    assert f"is in use by another run (host {holder['host']}, pid {holder['pid']}," in res.stdout, \
+        res.stdout[-3000:]
+    assert took < 90
+
+
 def test_frozen_client_is_named(tmp_path):
     proc, _ = _start(tmp_path, "--heartbeat_timeout", "5")
     try:

@@ -145,11 +145,9 @@ def test_resume_with_other_data_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("change, kwargs, listed", [
-    ("seed", dict(seed=4), "seed 3 -> 4"),
-    ("learning_rate", dict(lr=0.02), "learning_rate 0.01 -> 0.02"),
     ("dropout", dict(factory=functools.partial(models.mnist_mlp, hidden=16, dropout=0.3)),
      "model.3:Dropout.rate 0.2 -> 0.3"),
-    ("several", dict(seed=4, lr=0.02), "learning_rate 0.01 -> 0.02; seed 3 -> 4"),
+    ("seed and learning rate", dict(seed=4, lr=0.02), "learning_rate 0.01 -> 0.02; seed 3 -> 4"),
 ])
 def test_resume_with_changed_settings_lists_them(tmp_path, change, kwargs, listed):
     source = _trainer(checkpoint_dir=str(tmp_path), max_steps=3)
