@@ -67,12 +67,6 @@ def _starts_processes(item, cache: dict) -> bool:
     return bool(names & cache[module])
 
 
-# The longest tests of the whole suite (--durations), started first.
-LONGEST_FIRST = ("test_tune_search_over_two_worker_trials", "test_application_step_equals_one_device",
-                 "test_two_ray_train_workers_match_one_process", "test_train_lm_learns_and_generates",
-                 "test_killed_run_resumes", "test_resume_and_export_are_exact")
-
-
 # The time budget of a test in the fast lane (not marked slow): over it, the run fails.
 FAST_TEST_BUDGET_S = float(os.environ.get("DTK_FAST_TEST_BUDGET_S", "20"))
 _over_budget: list[tuple[str, float]] = []
@@ -90,9 +84,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item, cache):
             item.add_marker(pytest.mark.xdist_group("processes"))
-    # Longest first: the workers take tests in this order, so a long test started last would
-    # leave one worker idle at the end (measured: 90 s of tail in a 14-minute run).
-    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
+
     if (FULL_MNIST / "t10k-images-idx3-ubyte.gz").exists():
         return
     marked = [item for item in items if item.get_closest_marker("full_mnist")]
