@@ -210,7 +210,8 @@ def _trainer(factory, mesh, tmp_path, *, max_steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mobilenet", "gru", "normalization_adapted"])
+@pytest.mark.parametrize("name", [pytest.param("mobilenet", marks=pytest.mark.zoo), "gru",
+                                  "normalization_adapted"])  # mobilenet: 28-54 s, in the zoo lane
 def test_resume_and_export_are_exact(tmp_path, name):
     factory, shape = MODELS[name]
     mesh = dtk.build_mesh("batch=4,model=2")
@@ -301,13 +302,13 @@ APPLICATIONS = {
 }
 
 
-# DenseNet121 and EfficientNetB0 took 110 s and 63 s of the suite (DTensor compiles hundreds of
-# layers): they run with pytest -m zoo, before a release (BUILD.md, "Test budget"). MobileNetV2
-# stays in every whole run; the pieces of the others (dense blocks, average-pooling transitions,
-# depthwise convolutions, squeeze-and-excitation) are tested above on every run.
+# The real applications took 35-110 s each of the suite (DTensor compiles hundreds of layers):
+# they run with pytest -m zoo, before a release (BUILD.md, "Test budget"). Their pieces (inverted
+# residual and dense blocks, average-pooling transitions, depthwise convolutions, BatchNorm) are
+# tested above on every run.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n == "MobileNetV2" else pytest.param(n, marks=pytest.mark.zoo)
-                                  for n in sorted(APPLICATIONS)])
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", sorted(APPLICATIONS))
 def test_application_step_equals_one_device(name):
     """One SGD step of the real application on batch=8 equals plain tf_keras on one device
     (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, the whole update
