@@ -213,35 +213,38 @@ class IndexedRandomGenerator(keras_backend.RandomGenerator):
             return None
         return self._static_shape(shape)
 
-    def random_uniform(self, shape, minval=0.0, maxval=None, dtype=None, nonce=None):
+    def _draw(self, shape, dtype, nonce, fallback, sample, low, scale):
+        """``sample(static shape, key, dtype, like) * scale + low``, or Keras's own ``fallback()``
+        outside a step scope, for a dynamic shape, an integer dtype or a ``nonce``."""
         static = self._covered(shape, dtype)
         if static is None or nonce:
-            return super().random_uniform(shape, minval, maxval, dtype, nonce)
+            return fallback()
         dtype = dtype or keras_backend.floatx()
         with tf.name_scope(_SCOPE):
-            u = uniform(static, self._draw_key(), _state.step, dtype=dtype,
-                        like=self._like(static))
-            maxval = 1.0 if maxval is None else maxval
-            return u * tf.cast(maxval - minval, dtype) + tf.cast(minval, dtype)
+            values = sample(static, self._draw_key(), dtype, self._like(static))
+            return values * tf.cast(scale, dtype) + tf.cast(low, dtype)
+
+    def random_uniform(self, shape, minval=0.0, maxval=None, dtype=None, nonce=None):
+        return self._draw(
+            shape, dtype, nonce, lambda: super(IndexedRandomGenerator, self).random_uniform(
+                shape, minval, maxval, dtype, nonce),
+            lambda static, key, dt, like: uniform(static, key, _state.step, dtype=dt, like=like),
+            minval, (1.0 if maxval is None else maxval) - minval)
 
     def random_normal(self, shape, mean=0.0, stddev=1.0, dtype=None, nonce=None):
-        static = self._covered(shape, dtype)
-        if static is None or nonce:
-            return super().random_normal(shape, mean, stddev, dtype, nonce)
-        dtype = dtype or keras_backend.floatx()
-        with tf.name_scope(_SCOPE):
-            z = normal(static, self._draw_key(), _state.step, dtype=dtype, like=self._like(static))
-            return z * tf.cast(stddev, dtype) + tf.cast(mean, dtype)
+        return self._draw(
+            shape, dtype, nonce, lambda: super(IndexedRandomGenerator, self).random_normal(
+                shape, mean, stddev, dtype, nonce),
+            lambda static, key, dt, like: normal(static, key, _state.step, dtype=dt, like=like),
+            mean, stddev)
 
     def truncated_normal(self, shape, mean=0.0, stddev=1.0, dtype=None, nonce=None):
-        static = self._covered(shape, dtype)
-        if static is None or nonce:
-            return super().truncated_normal(shape, mean, stddev, dtype, nonce)
-        dtype = dtype or keras_backend.floatx()
-        with tf.name_scope(_SCOPE):
-            z = normal(static, self._draw_key(), _state.step, dtype=dtype,
-                       like=self._like(static), truncate=2.0)
-            return z * tf.cast(stddev, dtype) + tf.cast(mean, dtype)
+        return self._draw(
+            shape, dtype, nonce, lambda: super(IndexedRandomGenerator, self).truncated_normal(
+                shape, mean, stddev, dtype, nonce),
+            lambda static, key, dt, like: normal(static, key, _state.step, dtype=dt, like=like,
+                                                 truncate=2.0),
+            mean, stddev)
 
     def dropout(self, inputs, rate, noise_shape=None):
         static = self._covered(inputs.shape.as_list(), inputs.dtype)

@@ -52,3 +52,20 @@ def run_clients(code: str, num_clients: int, *, timeout: float = 180,
                 p.kill()
                 p.wait()
     return results
+
+
+def hold_checkpoint_lock(directory, *, host: str, run_id: str) -> subprocess.Popen:
+    """A process that holds dtk's lock on a checkpoint ``directory`` (as another run would), with
+    its record naming ``host`` and ``run_id``; returns once the lock is held. Kill it to release."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, json, os, sys, time\n"
+         "f = open(os.path.join(sys.argv[1], '.dtk-lock'), 'a+')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX); f.seek(0); f.truncate()\n"
+         "f.write(json.dumps({'host': sys.argv[2], 'pid': os.getpid(), 'started': 0, "
+         "'run_id': sys.argv[3]}))\n"
+         "f.flush(); print('HELD', flush=True); time.sleep(120)\n", str(directory), host, run_id],
+        stdout=subprocess.PIPE, text=True)
+    if holder.stdout.readline().strip() != "HELD":
+        holder.kill()
+        raise RuntimeError("the lock holder did not start")
+    return holder

@@ -202,7 +202,9 @@ def _children(pid):
         return []
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason=(
+    "Linux only: the parent-death signal and /proc/<pid>/task/*/children do not exist elsewhere, "
+    "where a killed launcher's clients stop at their peers' heartbeat timeout (BUILD.md)"))
 @pytest.mark.parametrize("network", ["auto", "host"])
 @pytest.mark.parametrize("victim", ["outer", "inner"])
 def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):

@@ -152,15 +152,8 @@ def test_one_writer_per_directory_and_resume_checks_changed_flags(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     done = json.loads(summary.read_text())
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, json, os, sys, time\n"
-         "f = open(os.path.join(sys.argv[1], '.dtk-lock'), 'a+')\n"
-         "fcntl.flock(f, fcntl.LOCK_EX); f.seek(0); f.truncate()\n"
-         "f.write(json.dumps({'host': 'h2', 'pid': os.getpid(), 'started': 0, 'run_id': 'r2'}))\n"
-         "f.flush(); print('HELD', flush=True); time.sleep(120)\n", str(ckpt)],
-        stdout=subprocess.PIPE, text=True)
+    holder = procs.hold_checkpoint_lock(ckpt, host="h2", run_id="r2")
     try:
-        assert holder.stdout.readline().strip() == "HELD"
         second = _run(*base, "--epochs", "3")
     finally:
         holder.kill()

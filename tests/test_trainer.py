@@ -4,7 +4,6 @@ import functools
 import glob
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -200,16 +199,8 @@ def test_second_run_on_a_directory_is_refused_and_a_stale_lock_taken_over(tmp_pa
     assert len(taken) == 1 and "host h1" in taken[0] and "run r1" in taken[0], taken
     trainer._checkpointer.close()
 
-    import subprocess  # pylint: disable=g-import-not-at-top
-    live = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, json, os, sys, time\n"
-         "f = open(os.path.join(sys.argv[1], '.dtk-lock'), 'a+')\n"
-         "fcntl.flock(f, fcntl.LOCK_EX); f.seek(0); f.truncate()\n"
-         "f.write(json.dumps({'host': 'h2', 'pid': os.getpid(), 'started': 0, 'run_id': 'r2'}))\n"
-         "f.flush(); print('HELD', flush=True); time.sleep(60)\n", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True)
+    live = procs.hold_checkpoint_lock(tmp_path, host="h2", run_id="r2")
     try:
-        assert live.stdout.readline().strip() == "HELD"
         with pytest.raises(ckpt_lib.CheckpointError,
                            match=rf"{re.escape(str(tmp_path))} is in use by another run \(host h2, "
                                  rf"pid {live.pid}, started .*, run r2\)"):
