@@ -286,6 +286,19 @@ def _lost_peer_line(e: BaseException) -> str | None:
             f"{first_line(e, limit=200)}); stopping")
 
 
+_KEPT: list[Any] = []
+
+
+def keep_until_exit(*objects: Any) -> None:
+    """Keeps a script's datasets alive until its process ends (``cluster.exit_process``).
+
+    Tearing down a ``tf.data`` pipeline's iterators takes 0.2-0.9 s per dataset, measured on
+    MNIST, and a script that returns its summary would pay it before it leaves. The process ends
+    just after, so there is nothing to free.
+    """
+    _KEPT.extend(objects)
+
+
 def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
          summary_json: str | None) -> int:
     """The ``main`` of a training script: checks argv, sets up output, runs, writes the summary.
@@ -303,5 +316,7 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
         from dtk import cluster  # pylint: disable=g-import-not-at-top
         if cluster.is_lead_client():
             status = write_summary(summary_json, summary)
-    return status
+    from dtk import cluster  # pylint: disable=g-import-not-at-top,redefined-outer-name
+    cluster.exit_process(status)  # does not return: the group leaves within a second
+    return status  # for readers: exit_process ends the process with this status
 

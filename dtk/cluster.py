@@ -261,3 +261,48 @@ def coordination_timeouts(*, register_timeout_s: float | None = None,
         yield
     finally:
         del ctx.configure_coordination_service  # back to the class's method
+
+
+# -- leaving ---------------------------------------------------------------------------------------
+EXIT_WAIT_S = 5.0
+
+
+def exit_process(status: int, *, wait_s: float = EXIT_WAIT_S) -> None:
+    """Ends a finished script's process now, without TensorFlow's teardown (about 1 s per
+    process, and in a multi-client run a shutdown in which clients wait on each other).
+
+    Called only once the script is done: its output written and flushed, its collectives over.
+    Python's ``atexit`` handlers still run (dtk's checkpoint lock is released). In a multi-client
+    run the lead client hosts the coordination service, so it leaves last: every other client
+    posts its exit status and leaves, and the lead waits for those posts (at most ``wait_s``
+    seconds; a client that died has already been reported by the launcher) before it leaves.
+    Measured with 2 clients: the group is gone within about 0.5 s of its last line, against
+    1.1-2.3 s with the normal teardown.
+    """
+    import atexit  # pylint: disable=g-import-not-at-top
+    import logging  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    try:
+        atexit._run_exitfuncs()  # pylint: disable=protected-access
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if is_multi_client() and "tensorflow" in sys.modules:
+            _leave_group(status, wait_s)
+    finally:
+        os._exit(status)  # pylint: disable=protected-access
+
+
+def _leave_group(status: int, wait_s: float) -> None:
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    ctx = context.context()
+    if ctx.coordination_service is None:  # the cluster was never joined
+        return
+    try:
+        if not is_lead_client():
+            ctx.set_config_key_value(f"dtk/exit/{client_id()}", str(status))
+            return
+        for other in range(1, num_clients()):
+            ctx.get_config_key_value(f"dtk/exit/{other}", timeout_in_ms=int(wait_s * 1000))
+    except Exception:  # pylint: disable=broad-except
+        pass  # a peer that is gone: the launcher names it; leaving is all that is left to do

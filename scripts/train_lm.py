@@ -205,6 +205,7 @@ def run() -> dict:
                           n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
         say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
     exported = trainer.export(FLAGS.export_dir) if FLAGS.export_dir else None
+    cli.keep_until_exit(train, heldout)  # no time spent tearing them down
     return {
         "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.num_clients(), "layout": FLAGS.layout,
