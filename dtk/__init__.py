@@ -53,8 +53,8 @@ _EXPORTS = {
     "TrainerConfig": "dtk.trainer",
     "ModelSpec": "dtk.models",
 }
-_SUBMODULES = ("checkpoint", "cluster", "input", "launch", "layouts", "mesh", "mnist", "models",
-               "optimizers", "steps", "trainer")
+_SUBMODULES = ("checkpoint", "cluster", "fsdp", "input", "launch", "layouts", "mesh", "mnist",
+               "models", "optimizers", "remat", "steps", "trainer")
 
 __all__ = ["__version__", *sorted(_EXPORTS), "models"]
 

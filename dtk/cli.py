@@ -76,6 +76,18 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
         "ZeRO-style update: shard optimizer state and the weight update over the batch axis "
         "(same numbers, less memory). Default: on where the batch axis has 2+ devices; "
         "--noshard_optimizer_state turns it off.")),
+    "fsdp": SharedFlag(kind="bool", default=False, help=(
+        "Fully sharded data parallel (ZeRO-3): store weights, gradients and optimizer state "
+        "sharded over the batch axis too, gathered for compute (same numbers, weights memory "
+        "divided by the batch axis size).")),
+    "remat": SharedFlag(kind="list", default=[], help=(
+        "Recompute these layers' activations in the backward pass: layer-name regular "
+        "expressions, comma-separated, or 'blocks' for the model's own choice (the LM: every "
+        "block's attention and MLP). Same numbers, less activation memory.")),
+    "grad_accum": SharedFlag(kind="integer", default=1, help=(
+        "Gradient accumulation: split each batch into this many microbatches and make one "
+        "update from their summed gradients (same numbers as one batch; it must divide the "
+        "per-device batch).")),
     "mixed_precision": SharedFlag(kind="bool", default=False, help=(
         "Compute in bfloat16 (mixed_bfloat16 policy; float32 outputs).")),
     "allow_replicated": SharedFlag(kind="bool", default=False, help=(
@@ -97,7 +109,7 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
 TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learning_rate",
                   "checkpoint_dir", "restart_from_scratch", "allow_change", "export_dir", "tensorboard_dir",
                   "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
-                  "mixed_precision", "allow_replicated")
+                  "mixed_precision", "allow_replicated", "fsdp", "remat", "grad_accum")
 # Output paths: every one is checked before training by ``check_output_path``.
 OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 OUTPUT_FILE_FLAGS = ("summary_json",)
@@ -137,6 +149,10 @@ def check_shared_flags(values: Callable[[str], Any]) -> None:
     if devices is not None and devices < 1:
         raise UsageError(f"--virtual_devices must be a positive integer; got {devices} (leave it "
                          "out to create as many as the mesh needs)")
+    accum = values("grad_accum")
+    if accum is not None and accum < 1:
+        raise UsageError(f"--grad_accum must be a positive integer; got {accum} (1: no "
+                         "accumulation)")
     for name in ("learning_rate", "device_memory_gb"):
         value = values(name)
         if value is not None and not (value > 0 and math.isfinite(value)):

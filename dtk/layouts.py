@@ -34,7 +34,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import _env, op_support, randomness
+from dtk import _env, materialize, op_support, randomness
+from dtk import fsdp as fsdp_lib
 from dtk import keras_check
 from dtk.mesh import as_mesh
 
@@ -186,6 +187,9 @@ class WeightPlan:
     dims: tuple[str | None, ...]
     bytes_per_device: int
     bytes_total: int
+    # FSDP: the table's sharding, used for compute (``dims`` is then how the weight is stored,
+    # with the batch axis added); None when the weight is stored as it computes.
+    compute_dims: tuple[str | None, ...] | None = None
 
     def spec(self) -> str:
         return "[" + ", ".join(d or UNSHARDED for d in self.dims) + "]"
@@ -206,6 +210,47 @@ class LayoutPlan:
             if weight.path == path:
                 return dtensor.Layout([d or dtensor.UNSHARDED for d in weight.dims], mesh)
         raise KeyError(path)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether weights are stored sharded over the batch axis (``dtk.fsdp``)."""
+        return any(w.compute_dims is not None for w in self.weights)
+
+
+def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
+                    size: int) -> tuple[str | None, ...]:
+    """``dims`` plus ``axis`` on the first unsharded dim that ``size`` divides; unchanged when
+    the axis already shards a dim or no dim qualifies. The placement of the sharded optimizer
+    update (``dtk.steps.update_layout``) and of FSDP weights (``dtk.fsdp``)."""
+    dims = list(dims)
+    if size > 1 and axis not in dims:
+        for dim, n in enumerate(shape):
+            if dims[dim] is None and n % size == 0:
+                dims[dim] = axis
+                break
+    return tuple(dims)
+
+
+def _apply_fsdp(planned: list[WeightPlan], paths, sizes: dict[str, int], batch_axis: str,
+                warnings: list[str]) -> list[WeightPlan]:
+    """Stores the weights named in ``paths`` sharded over the batch axis too (see dtk.fsdp)."""
+    size = sizes.get(batch_axis, 1)
+    out, kept = [], []
+    for w in planned:
+        dims = shard_over_axis(w.dims, w.shape, batch_axis, size) if w.path in paths else w.dims
+        if dims == w.dims:
+            if w.path in paths and size > 1 and batch_axis not in w.dims:
+                kept.append(w)
+            out.append(w)
+            continue
+        out.append(dataclasses.replace(w, dims=dims, compute_dims=w.dims,
+                                       bytes_per_device=w.bytes_per_device // size))
+    if kept:
+        warnings.append(
+            f"fsdp: {len(kept)} weight(s) have no unsharded dim that batch axis {batch_axis!r} (size "
+            f"{size}) divides and stay replicated over it ({_bytes(sum(w.bytes_per_device for w in kept))} "
+            f"per device): {_some([f'{w.path} {list(w.shape)}' for w in kept])}")
+    return out
 
 
 def weight_paths(model: tf_keras.Model) -> list[tuple[str, tf.Variable]]:
@@ -243,7 +288,8 @@ def _some(paths: list[str], n: int = 6) -> str:
 
 
 def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: bool = False,
-                 allow_replicated: bool = False, batch_axis: str = "batch") -> LayoutPlan:
+                 allow_replicated: bool = False, batch_axis: str = "batch",
+                 fsdp_paths: Sequence[str] = ()) -> LayoutPlan:
     """Matches and validates ``weights`` (``(path, shape, dtype)`` triples) against ``table``.
 
     Args:
@@ -256,6 +302,8 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
         a mesh axis other than ``batch_axis`` that shards no weight (its devices would repeat
         the same work), unless the table lists it in ``replicated_axes``.
       batch_axis: the axis that shards the inputs.
+      fsdp_paths: weights to store sharded over ``batch_axis`` too (FSDP, see ``dtk.fsdp``);
+        one with no dim the axis divides stays replicated over it, listed in the warnings.
 
     Raises:
       ValueError: see the module docstring; every message names the weight and the fix.
@@ -344,32 +392,37 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
     if any(a not in sizes for a in table.optional_axes):
         warnings.append(f"mesh has no axis {[a for a in table.optional_axes if a not in sizes]}: "
                         "dims laid out on it are unsharded")
+    if fsdp_paths:
+        planned = _apply_fsdp(planned, set(fsdp_paths), sizes, batch_axis, warnings)
     return LayoutPlan(table=table, mesh_axes=tuple(sizes.items()), weights=tuple(planned),
                       unused_rules=unused, warnings=tuple(warnings))
 
 
 def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
                  model_factory: Callable[[], tf_keras.Model], *, strict: bool = False,
-                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None
-                 ) -> LayoutPlan:
+                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
+                 fsdp: bool = False) -> LayoutPlan:
     """Plans every weight of ``model_factory()`` on ``mesh``, before any DTensor variable exists.
 
     The factory is called once outside any layout scope, to read weight paths and shapes from
     ordinary variables (a subclassed model is built by one call on zeros of ``input_shape``).
     """
     mesh = as_mesh(mesh, "mesh")
-    model = _plain_model(model_factory, input_shape, mesh)
+    model, _ = _reference_model(model_factory, input_shape, mesh)
     return _plan_model(load_table(table), mesh, model, strict=strict,
-                       allow_replicated=allow_replicated)
+                       allow_replicated=allow_replicated, fsdp=fsdp)
 
 
 def _plan_model(table: LayoutTable, mesh: dtensor.Mesh, model: tf_keras.Model, *,
-                strict: bool, allow_replicated: bool = False) -> LayoutPlan:
-    weights = [(path, tuple(v.shape), v.dtype) for path, v in weight_paths(model)]
+                strict: bool, allow_replicated: bool = False, fsdp: bool = False) -> LayoutPlan:
+    paths = weight_paths(model)
+    weights = [(path, tuple(v.shape), v.dtype) for path, v in paths]
     if not weights:
         raise ValueError("model_factory built a model with no weights; build it (give the first "
                          "layer an input_shape, or pass input_shape= for a subclassed model)")
-    plan = plan_weights(table, mesh, weights, strict=strict, allow_replicated=allow_replicated)
+    trainable = {id(v) for v in model.trainable_variables}
+    plan = plan_weights(table, mesh, weights, strict=strict, allow_replicated=allow_replicated,
+                        fsdp_paths=[p for p, v in paths if id(v) in trainable] if fsdp else ())
     _check_gathered_tables(model, plan)
     return plan
 
@@ -380,12 +433,13 @@ def _check_gathered_tables(model: tf_keras.Model, plan: LayoutPlan) -> None:
               if isinstance(layer, tf_keras.layers.Embedding) and hasattr(layer, "embeddings")}
     by_id = {id(v): path for path, v in weight_paths(model)}
     for weight in plan.weights:
-        if weight.dims and weight.dims[0] and any(by_id.get(t) == weight.path for t in tables):
+        dims = weight.dims if weight.compute_dims is None else weight.compute_dims  # FSDP gathers
+        if dims and dims[0] and any(by_id.get(t) == weight.path for t in tables):
             raise ValueError(
                 f"weight {weight.path} {list(weight.shape)} is an Embedding table sharded on dim 0 "
-                f"(rows) on axis {weight.dims[0]!r} (rule {weight.rule.pattern!r}); DTensor cannot "
+                f"(rows) on axis {dims[0]!r} (rule {weight.rule.pattern!r}); DTensor cannot "
                 "gather rows of a table sharded that way. Shard dim 1 (the features) instead: "
-                f"dims = [\"unsharded\", \"{weight.dims[0]}\"]")
+                f"dims = [\"unsharded\", \"{dims[0]}\"]")
 
 
 def _check_factory_result(model: Any) -> tf_keras.Model:
@@ -411,6 +465,31 @@ def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_ker
     return model
 
 
+def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = None,
+                     dtype="float32") -> tuple[tf_keras.Model, bool]:
+    """The model to plan from, and whether it is lazy (shapes only, see ``dtk.materialize``).
+
+    Lazy when the factory builds with lazy variables; otherwise (it needs real values while it
+    builds, e.g. ``adapt()``) the plain build, which holds every weight on this host.
+    """
+    names = _layer_name_counters()
+    try:
+        model = _check_factory_result(materialize.lazy_model(model_factory, input_shape, dtype))
+        if model.built:
+            return model, True
+        reason = "it is unbuilt (a subclassed model without input_shape)"
+    except TypeError:
+        raise
+    except Exception as e:  # pylint: disable=broad-except  (whatever needed real values)
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+    names.restore()
+    if seed is not None:
+        tf_keras.utils.set_random_seed(seed)
+    _log.info("layouts: built a full plain copy of the model to read its initial values, since "
+              "a build with lazy variables failed (%s)", reason)
+    return _plain_model(model_factory, input_shape, mesh, dtype=dtype), False
+
+
 class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
     """A LayoutMap that answers with the validated plan (exact paths only, never a prefix match)."""
 
@@ -426,14 +505,21 @@ class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
 def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 table: LayoutTable | str, *, seed: int, strict: bool = False,
                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
-                input_dtype: str = "float32") -> tuple[tf_keras.Model, LayoutPlan]:
+                input_dtype: str = "float32", fsdp: bool = False
+                ) -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
 
-    Seeds with ``tf_keras.utils.set_random_seed(seed)``, builds the model once plainly (its weight
-    paths and shapes are planned and validated before any DTensor variable exists), then builds
-    it under the planned layouts and copies the plain build's initial values in, so the initial
-    weights equal ``set_random_seed(seed); model_factory()`` on one device exactly (the parity
-    tests rely on it). The plain copy is held on the host only while building.
+    Seeds with ``tf_keras.utils.set_random_seed(seed)``, builds the model once with lazy
+    variables (its weight paths and shapes are planned and validated before any DTensor variable
+    exists; no weight is stored), then builds it under the planned layouts and draws the initial
+    values one weight at a time in the plain build's order, so the initial weights equal
+    ``set_random_seed(seed); model_factory()`` on one device exactly (the parity tests rely on
+    it). Each client sends only its own shards to its devices: at most one full weight is on a
+    host at a time (``dtk.materialize``; a factory that needs real values while it builds, such
+    as ``adapt()``, gets a plain build instead, with an info line).
+
+    ``fsdp=True`` stores every trainable weight sharded over the batch axis too and gathers it
+    for compute inside dtk's steps (``dtk.fsdp``).
 
     DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` and
     ``BatchNormalization`` run unfused (DTensor's fused kernel has no layout propagation;
@@ -464,10 +550,11 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # single-device `set_random_seed(seed); model_factory()` in this process exactly.
     tf_keras.utils.set_random_seed(seed)
     names = _layer_name_counters()
-    reference = _plain_model(model_factory, input_shape, mesh, dtype=input_dtype)
+    reference, lazy = _reference_model(model_factory, input_shape, mesh, seed=seed,
+                                       dtype=input_dtype)
     op_support.check_layers(reference)  # before the laid-out build, whose errors name no layer
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
-                       allow_replicated=allow_replicated)
+                       allow_replicated=allow_replicated, fsdp=fsdp)
     for warning in plan.warnings:
         _log.warning("layouts: %s", warning)
     tf_keras.utils.set_random_seed(seed)
@@ -478,29 +565,44 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     user_rng = tf_keras.backend.experimental.is_tf_random_generator_enabled()
     tf_keras.backend.experimental.enable_tf_random_generator()
     names.restore()  # unnamed layers get the same names (dense_3 ...) as in the plain build
+    placeholders = materialize.placeholder_values([w.path for w in plan.weights])
     try:
         # Preprocessing state (Normalization's adapted mean and variance) comes from the plain
         # build with the other weights: adapt() and finalize_state() wait until it is copied.
-        with layout_map.scope(), _preprocessing_deferred():
+        with placeholders, layout_map.scope(), _preprocessing_deferred():
             model = model_factory()
             if not model.built:
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
+            _lay_out_autocast_variables(model, layout_map)
     finally:
         if not user_rng:
             tf_keras.backend.experimental.disable_tf_random_generator()
-    _lay_out_autocast_variables(model, layout_map)
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
-    # Copying the plain build's values makes the initial weights exactly the single-device ones.
+    # The reference's values (drawn in the plain build's order, one weight at a time when it is
+    # lazy: dtk.materialize) make the initial weights exactly the single-device ones.
     # Matched by path, not by position: the two builds may list weights in another order.
-    values = {path: v.numpy() for path, v in weight_paths(reference)}
-    for path, variable in weight_paths(model):
-        if path not in values or tuple(values[path].shape) != tuple(variable.shape):
+    targets = dict(weight_paths(model))
+    sources = weight_paths(reference)
+    if lazy:
+        tf_keras.utils.set_random_seed(seed)  # the plain build's draws, in its order
+        sources = materialize.creation_order(sources)
+    for path, source in sources:
+        variable = targets.pop(path, None)
+        if variable is None or tuple(source.shape) != tuple(variable.shape):
             raise ValueError(f"model_factory built different models on two calls: weight {path} "
-                             "of the laid-out build is missing or has another shape in the plain "
+                             "of the plain build is missing or has another shape in the laid-out "
                              "build; the factory must build the same model every time")
-        _assign_global(variable, values[path])
+        materialize.assign_global(
+            variable, materialize.initial_value(source) if lazy else source.numpy())
+    if targets:
+        raise ValueError(f"model_factory built different models on two calls: weights "
+                         f"{sorted(targets)[:4]} of the laid-out build are not in the plain build; "
+                         "the factory must build the same model every time")
     _check_layouts_follow_plan(model, plan, mesh)
+    fsdp_lib.adapt_variables(weight_paths(model), {
+        w.path: dtensor.Layout([d or dtensor.UNSHARDED for d in w.compute_dims], mesh)
+        for w in plan.weights if w.compute_dims is not None})
     # What the factory compiled the model with, read from the plain build (the laid-out build's
     # optimizer holds placeholder values): dtk.Trainer trains with it when given none.
     model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access
@@ -667,15 +769,6 @@ def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, inpu
         model._layout_map = saved  # pylint: disable=protected-access
 
 
-def _assign_global(variable: tf.Variable, value) -> None:
-    """Assigns a global numpy value to a (possibly sharded, possibly autocast) DTensor variable."""
-    target = getattr(variable, "_variable", variable)
-    layout = dtensor.fetch_layout(target)
-    tensor = dtensor.copy_to_mesh(tf.constant(value, dtype=target.dtype),
-                                  dtensor.Layout.replicated(layout.mesh, layout.rank))
-    target.assign(dtensor.relayout(tensor, layout))
-
-
 def _lay_out_autocast_variables(model: tf_keras.Model, layout_map: _PlannedLayoutMap) -> None:
     """Lays out weights that tf_keras' LayoutMap misses under a mixed-precision policy.
 
@@ -702,14 +795,25 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
     sizes = dict(plan.mesh_axes)
     batch = sizes.get("batch", 1)
     weights = sum(w.bytes_per_device for w in plan.weights)
+    shard_optimizer_state = shard_optimizer_state and not plan.fsdp  # FSDP state is sharded
     state = 0
     for w in plan.weights:
         split = 1
-        if shard_optimizer_state and batch > 1 and "batch" not in w.dims and any(
-                d is None and n % batch == 0 for d, n in zip(w.dims, w.shape)):
+        if shard_optimizer_state and shard_over_axis(w.dims, w.shape, "batch", batch) != w.dims:
             split = batch
         state += (optimizer_slots + (1 if shard_optimizer_state else 0)) * w.bytes_per_device // split
-    return {"weights": weights, "optimizer": state, "total": weights + state}
+    # FSDP: the weights gathered for compute while a step runs (all of them without remat).
+    gathered = sum(w.bytes_total // _split(w.compute_dims, sizes) - w.bytes_per_device
+                   for w in plan.weights if w.compute_dims is not None)
+    return {"weights": weights, "optimizer": state, "total": weights + state,
+            "gathered_in_step": gathered}
+
+
+def _split(dims, sizes: dict[str, int]) -> int:
+    split = 1
+    for axis in dims:
+        split *= sizes[axis] if axis else 1
+    return split
 
 
 def check_memory_budget(plan: LayoutPlan, budget_bytes: float, **kwargs) -> dict[str, int]:
@@ -749,7 +853,10 @@ def explain(plan: LayoutPlan) -> str:
     rows = [("weight", "shape", "rule", "sharding", "per device")]
     for w in plan.weights:
         rule = w.rule.pattern if w.rule else f"(default: {plan.table.default})"
-        rows.append((w.path, str(list(w.shape)), rule, w.spec(), _bytes(w.bytes_per_device)))
+        spec = w.spec()
+        if w.compute_dims is not None:  # FSDP: stored as spec, gathered to the table's dims
+            spec += " (fsdp; computes [" + ", ".join(d or UNSHARDED for d in w.compute_dims) + "])"
+        rows.append((w.path, str(list(w.shape)), rule, spec, _bytes(w.bytes_per_device)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"layout table {plan.table.name!r} on mesh {mesh}"]
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
@@ -766,7 +873,11 @@ def explain(plan: LayoutPlan) -> str:
         flags.append(f"WARNING: {len(plan.unused_rules)} rule(s) matched nothing")
     if defaulted:
         flags.append(f"WARNING: {defaulted} weight(s) by default ({plan.table.default})")
+    if plan.fsdp:
+        gathered = memory_per_device(plan)["gathered_in_step"]
+        lines.append(f"note: fsdp: weights stored sharded over the batch axis; a step gathers "
+                     f"up to {_bytes(gathered)} more per device for compute")
     lines.append(f"layouts: {plan.table.name} on {mesh}: {len(plan.weights)} weights "
-                 f"({sharded} sharded), {_bytes(total)} in all, {_bytes(per_device)} per device"
-                 + "".join(f"; {f}" for f in flags))
+                 f"({sharded} sharded{', fsdp' if plan.fsdp else ''}), {_bytes(total)} in all, "
+                 f"{_bytes(per_device)} per device" + "".join(f"; {f}" for f in flags))
     return "\n".join(lines)

@@ -98,8 +98,13 @@ def _global_index(shape: Sequence[int], like: tf.Tensor | None) -> tf.Tensor:
     rank = len(shape)
     index = tf.cast(tf.zeros_like(like), _U32) if like is not None else None
     stride = 1
+    microbatches, microbatch = _state.microbatch or (1, 0)
     for dim in reversed(range(rank)):
         iota = tf.cast(tf.range(shape[dim]), _U32)
+        if dim == 0 and microbatches > 1:
+            # Row r of microbatch j is row r * k + j of the whole batch (dtk.steps splits it so):
+            # the draw is the one the whole batch would get.
+            iota = iota * tf.constant(microbatches, _U32) + tf.cast(microbatch, _U32)
         if stride != 1:
             iota = iota * tf.constant(stride & 0xFFFFFFFF, _U32)
         iota = tf.reshape(iota, [shape[dim] if d == dim else 1 for d in range(rank)])
@@ -152,9 +157,39 @@ class _StepState(threading.local):
         self.step = None
         self.calls: dict[int, int] = {}
         self.inputs: list[tf.Tensor] = []
+        self.microbatch: tuple[int, int] | None = None  # (k, j): the j-th of k microbatches
 
 
 _state = _StepState()
+
+
+@contextlib.contextmanager
+def microbatch_scope(count: int, index: int) -> Iterator[None]:
+    """Within it, draws are those of rows ``r * count + index`` of the whole batch: a step that
+    accumulates gradients over ``count`` microbatches draws the masks of one whole-batch step.
+    ``index`` may be a tensor (a loop counter)."""
+    saved, _state.microbatch = _state.microbatch, (count, index)
+    try:
+        yield
+    finally:
+        _state.microbatch = saved
+
+
+def snapshot() -> tuple[Any, dict[int, int], tuple[int, int] | None]:
+    """The draw state (step, per-layer call counts, microbatch), for a recomputation (remat)
+    to draw what the first computation drew."""
+    return _state.step, dict(_state.calls), _state.microbatch
+
+
+@contextlib.contextmanager
+def replay(state) -> Iterator[None]:
+    """Draws as at ``snapshot()`` time (the recomputed forward pass of a rematerialized layer)."""
+    saved = (_state.step, _state.calls, _state.microbatch)
+    _state.step, _state.calls, _state.microbatch = state[0], dict(state[1]), state[2]
+    try:
+        yield
+    finally:
+        _state.step, _state.calls, _state.microbatch = saved
 
 
 @contextlib.contextmanager

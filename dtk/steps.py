@@ -35,7 +35,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import randomness
+from dtk import fsdp, randomness, remat
+from dtk.layouts import shard_over_axis
 from dtk.cluster import num_clients
 from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.optimizers import make_loss, make_metrics, make_optimizer
@@ -60,14 +61,31 @@ class StepConfig:
         weight can be sharded on it (see ``auto_shard_optimizer_state``): measured faster on
         every workload of ``scripts/bench.py`` (BUILD.md), and a memory saving besides.
       batch_axis: the data-parallel mesh axis.
+      gradient_accumulation_steps: k > 1 splits each batch into k microbatches of B/k, run one
+        after the other (a loop, so one microbatch's activations are live at a time), and makes
+        one optimizer update from the sum of their gradients: the update of one batch of B
+        (parity-tested at 1e-5, dropout included: microbatch rows draw the whole batch's
+        masks). Microbatch j holds the rows ``r * k + j`` of each device's slice, so no example
+        moves between devices. BatchNormalization then normalizes over microbatches (as in
+        every framework). Each device's share of the batch must be divisible by k.
+      remat: regular expressions naming layers whose activations are recomputed in the
+        backward pass (``dtk.remat``); () for none.
     """
 
     jit_compile: bool = False
     steps_per_execution: int = 1
     shard_optimizer_state: bool | str = "auto"
     batch_axis: str = BATCH_AXIS
+    gradient_accumulation_steps: int = 1
+    remat: tuple[str, ...] = ()
 
     def __post_init__(self):
+        k = self.gradient_accumulation_steps
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive integer; got {k!r}")
+        if isinstance(self.remat, str):
+            raise ValueError(f"remat must be a tuple of layer-name patterns, e.g. "
+                             f"(r'block\\d+_attn',); got the string {self.remat!r}")
         if self.shard_optimizer_state not in (True, False, "auto"):
             raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
                              f"{self.shard_optimizer_state!r}")
@@ -85,14 +103,11 @@ def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layo
     ``[unsharded, model]`` gets ``[batch, model]``: each device updates a 196 x 64 slice.
     """
     layout = dtensor.fetch_layout(variable)
-    specs = list(layout.sharding_specs)
-    if batch_axis in mesh.dim_names and batch_axis not in specs:
-        size = mesh.dim_size(batch_axis)
-        for dim, n in enumerate(variable.shape):
-            if specs[dim] == dtensor.UNSHARDED and n % size == 0:
-                specs[dim] = batch_axis
-                break
-    return dtensor.Layout(specs, mesh)
+    if batch_axis not in mesh.dim_names:
+        return layout
+    dims = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
+    dims = shard_over_axis(dims, variable.shape, batch_axis, mesh.dim_size(batch_axis))
+    return dtensor.Layout([d or dtensor.UNSHARDED for d in dims], mesh)
 
 
 def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -> bool:
@@ -114,6 +129,28 @@ def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -
         return False
     return any(update_layout(v, mesh, batch_axis).sharding_specs
                != dtensor.fetch_layout(v).sharding_specs for v in variables)
+
+
+def check_accumulation(global_batch_size: int, mesh: dtensor.Mesh, steps: int,
+                       batch_axis: str = BATCH_AXIS) -> None:
+    """Gradient accumulation over ``steps`` microbatches needs each device's share of the batch
+    to split evenly.
+
+    Raises:
+      ValueError: naming the batch, the axis and its size, and the values that would work.
+    """
+    if steps == 1:
+        return
+    size = mesh.dim_size(batch_axis) if batch_axis in mesh.dim_names else 1
+    per_device = global_batch_size // size
+    if per_device % steps:
+        good = [k for k in range(1, per_device + 1) if per_device % k == 0]
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} (--grad_accum) does not divide the per-device "
+            f"batch: global batch {global_batch_size} over mesh axis {batch_axis!r} (size {size}) "
+            f"is {per_device} examples per device. Use a divisor of {per_device} "
+            f"({', '.join(map(str, good[:8]))}{' ...' if len(good) > 8 else ''}) or change "
+            "--global_batch_size")
 
 
 def _function(fn: Callable, *, jit_compile: bool, reduce_retracing: bool = False) -> Callable:
@@ -171,8 +208,12 @@ class Steps:
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
         self._random_ops_checked = False
         self._masters = None
+        self.remat_layers = remat.apply(model, config.remat) if config.remat else []
         shard = config.shard_optimizer_state
-        if shard == "auto":
+        if any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
+               for v in model.trainable_variables):
+            shard = False  # FSDP: weights and state are stored sharded; the update is too
+        elif shard == "auto":
             shard = auto_shard_optimizer_state(model.trainable_variables, mesh, config.batch_axis)
         self.shard_optimizer_state = shard
         if shard:
@@ -210,37 +251,63 @@ class Steps:
             per_example = tf.reduce_mean(per_example, axis=1)
         count = tf.reduce_sum(weights)
         total = tf.reduce_sum(per_example * weights)
-        if getattr(self.loss_fn, "sum_over_batch", False):  # reduction="sum" (make_loss)
-            return total, count
-        return tf.math.divide_no_nan(total, count), count
+        return total, count
+
+    def _normalized(self, total, count):
+        """The batch loss from its weighted sum: the mean over real examples (``count``), or the
+        sum itself for a loss with ``reduction="sum"`` (make_loss)."""
+        if getattr(self.loss_fn, "sum_over_batch", False):
+            return total
+        return tf.math.divide_no_nan(total, count)
 
     def _update_metrics(self, loss, count, labels, predictions, weights):
         self.loss_metric.update_state(loss, sample_weight=count)
         for metric in self.metrics:
             metric.update_state(labels, predictions, sample_weight=weights)
 
-    def _train_body(self, batch):
+    def _forward_backward(self, batch, count, variables, extra_losses_scale=1.0):
+        """Loss (weighted sum over ``batch``, divided by the whole batch's ``count``) and its
+        gradients, with the predictions for the metrics."""
         features, labels, weights = batch
         with tf.GradientTape() as tape:
             # Random layers draw for this step (the counter before its update): the same masks
-            # on every mesh, and again after a resume (dtk.randomness).
-            with randomness.step_scope(self.optimizer.iterations.read_value()):
+            # on every mesh, and again after a resume (dtk.randomness). FSDP weights are read
+            # gathered (dtk.fsdp).
+            with fsdp.gather_scope():
                 predictions = self.model(features, training=True)
             self._warn_uncovered_random_ops()
-            loss, count = self._weighted_loss(labels, predictions, weights)
-            total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
-        variables = self.model.trainable_variables
-        grads = tape.gradient(total, variables)
+            total, _ = self._weighted_loss(labels, predictions, weights)
+            loss = self._normalized(total, count)
+            if self.model.losses:
+                loss = loss + tf.add_n(self.model.losses) * extra_losses_scale
+        grads = tape.gradient(loss, variables)
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        return total, grads, predictions
+
+    def _train_body(self, batch):
+        features, labels, weights = batch
+        variables = self.model.trainable_variables
+        count = tf.reduce_sum(weights)
+        k = self.config.gradient_accumulation_steps
+        with randomness.step_scope(self.optimizer.iterations.read_value()):
+            if k == 1:
+                total, grads, predictions = self._forward_backward(batch, count, variables)
+            else:
+                total, grads = self._accumulate(batch, count, variables, k)
+                predictions = None
+        loss = self._normalized(total, count)
 
         def update():
             if self._masters is None:
                 self.optimizer.apply_gradients(zip(grads, variables))
             else:
                 self._sharded_update(grads, variables)
-            self._update_metrics(loss, count, labels, predictions, weights)
+            self.loss_metric.update_state(loss, sample_weight=count)
+            if predictions is not None:
+                for metric in self.metrics:
+                    metric.update_state(labels, predictions, sample_weight=weights)
             return tf.identity(loss)
 
         # The update runs in a region of its own (a cond that is always true; no measurable cost):
@@ -251,6 +318,35 @@ class Steps:
         always = dtensor.call_with_layout(tf.ones, dtensor.Layout.replicated(self.mesh, 0),
                                           shape=[], dtype=tf.bool)
         return tf.cond(always, update, lambda: tf.identity(loss))
+
+    def _accumulate(self, batch, count, variables, k):
+        """Sum of the loss and gradients of ``k`` microbatches, run in a loop (one live at a time).
+
+        Each device's rows are viewed as ``[rows / k, k]``; microbatch j takes column j, so the
+        split moves no example between devices. Metrics are updated per microbatch (sums, so
+        the same as one update on the whole batch).
+        """
+        check_accumulation(int(batch[0].shape[0]), self.mesh, k, self.config.batch_axis)
+
+        def split(t):
+            rows = t.shape[0]
+            return tf.reshape(t, [rows // k, k, *t.shape[1:]])
+
+        parts = tuple(split(t) for t in batch)
+
+        def body(j, total, *acc):
+            micro = tuple(tf.gather(t, j, axis=1) for t in parts)
+            with randomness.microbatch_scope(k, j):
+                part_total, grads, predictions = self._forward_backward(
+                    micro, count, variables, extra_losses_scale=1.0 / k)
+            for metric in self.metrics:
+                metric.update_state(micro[1], predictions, sample_weight=micro[2])
+            return (j + 1, total + part_total, *[a + g for a, g in zip(acc, grads)])
+
+        zero = tf.zeros_like(count)
+        acc = [tf.zeros_like(v.read_value()) for v in variables]
+        out = tf.while_loop(lambda j, *_: j < k, body, (tf.constant(0), zero, *acc))
+        return out[1], list(out[2:])
 
     def _warn_uncovered_random_ops(self):
         # Once per Steps: random ops of the forward pass that dtk.randomness did not build (a
@@ -284,14 +380,17 @@ class Steps:
 
     def _eval_body(self, batch):
         features, labels, weights = batch
-        predictions = self.model(features, training=False)
-        loss, count = self._weighted_loss(labels, predictions, weights)
+        with fsdp.gather_scope():
+            predictions = self.model(features, training=False)
+        total, count = self._weighted_loss(labels, predictions, weights)
+        loss = self._normalized(total, count)
         self._update_metrics(loss, count, labels, predictions, weights)
         return loss
 
     def _predict_body(self, features):
         self.trace_counts["predict"] += 1
-        return self.model(features, training=False)
+        with fsdp.gather_scope():
+            return self.model(features, training=False)
 
     def _compile(self, body: Callable, name: str, *, stacked: bool) -> Callable:
         mesh = self.mesh

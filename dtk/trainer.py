@@ -44,6 +44,7 @@ from dtk import resume as resume_lib
 from dtk import keras_check
 from dtk.input import DataSource, DistributedDataset
 from dtk.mesh import BATCH_AXIS
+from dtk import steps as steps_lib
 from dtk.steps import StepConfig, Steps
 
 _PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
@@ -108,6 +109,13 @@ class TrainerConfig:
         in ``Trainer.resume_changes``.
       settings: more settings that shape the run, recorded in every checkpoint and compared on
         resume like dtk's own (a script adds its data source, e.g. ``{"dataset": "idx"}``).
+      fsdp: store weights, gradients and optimizer state sharded over the batch axis (ZeRO-3,
+        ``dtk.fsdp``); weights are gathered for compute. Same numbers as without.
+      remat: layer-name patterns whose activations are recomputed in the backward pass
+        (``dtk.remat``); same numbers, less activation memory, about one more forward pass.
+      gradient_accumulation_steps: split each batch into this many microbatches and make one
+        update from their summed gradients (see ``dtk.StepConfig``); same numbers as one
+        batch, less activation memory. Steps, checkpoints and ``max_steps`` count updates.
     """
 
     seed: int = 0
@@ -124,6 +132,9 @@ class TrainerConfig:
     restart_from_scratch: bool = False
     allow_change: tuple[str, ...] = ()
     settings: Mapping[str, Any] | None = None
+    fsdp: bool = False
+    remat: tuple[str, ...] = ()
+    gradient_accumulation_steps: int = 1
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
@@ -131,7 +142,9 @@ class TrainerConfig:
                           steps_per_execution=(1 if self.steps_per_execution == "auto"
                                                else self.steps_per_execution),
                           shard_optimizer_state=self.shard_optimizer_state,
-                          batch_axis=self.batch_axis)
+                          batch_axis=self.batch_axis,
+                          gradient_accumulation_steps=self.gradient_accumulation_steps,
+                          remat=tuple(self.remat))
 
     def __post_init__(self):
         spe = self.steps_per_execution
@@ -141,6 +154,12 @@ class TrainerConfig:
             raise ValueError(f"max_steps must be a positive integer or None; got {self.max_steps}")
         if self.verbose not in (0, 1, 2):
             raise ValueError(f"verbose must be 0, 1 or 2; got {self.verbose!r}")
+        if isinstance(self.remat, str):
+            raise ValueError(f"remat must be a tuple of layer-name patterns, e.g. "
+                             f"(r'block\\d+_attn',); got the string {self.remat!r}")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp must be True or False; got {self.fsdp!r}")
+        self.step_config()  # validates gradient_accumulation_steps and remat
         if isinstance(self.allow_change, str) or not all(
                 isinstance(k, str) and k for k in self.allow_change):
             raise ValueError(f"allow_change must be a tuple of setting names, e.g. "
@@ -238,14 +257,16 @@ class Trainer:
                 layout, layouts_lib.LayoutTable) else layout
             self.model, self.layout_plan = layouts_lib.build_model(
                 model, mesh, table, seed=config.seed, input_shape=input_shape,
-                allow_replicated=allow_replicated)
+                allow_replicated=allow_replicated, fsdp=config.fsdp)
             self.model_factory = model
         else:
             raise TypeError(f"model must be a tf_keras.Model or a factory returning one; got "
                             f"{type(model).__name__}")
         if cluster.num_clients() > 1:  # replicated weights silently diverge if seeds differ
-            checksum = float(sum(np.sum(w, dtype=np.float64) for w in ckpt_lib.gather_weights(
-                self.model)))
+            # Summed on the mesh (no weight is gathered whole): a replicated weight is summed
+            # on each client, so clients whose copies differ get different checksums.
+            checksum = float(sum(float(dtensor.unpack(tf.reduce_sum(tf.cast(
+                w.read_value(), tf.float64)))[0]) for w in self.model.weights))
             mesh_lib.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
         loss, optimizer, metrics = _compiled_or_given(self.model, mesh, loss=loss,
                                                       optimizer=optimizer, metrics=metrics)
@@ -341,6 +362,8 @@ class Trainer:
                 self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
         self._check_data(train_data, stacked=spe)
+        steps_lib.check_accumulation(train_data.config.global_batch_size, self.mesh,
+                                     self.config.gradient_accumulation_steps, self.config.batch_axis)
         if validation_data is not None:  # before the first step, not after the first epoch
             self._check_data(validation_data, stacked=1)
         steps_per_epoch = train_data.num_batches

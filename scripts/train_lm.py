@@ -121,7 +121,9 @@ def _setup():
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
                                 dropout=FLAGS.dropout)
-    plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated)
+    plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
+                                fsdp=FLAGS.fsdp)
+    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
@@ -175,7 +177,9 @@ def run() -> dict:
                                  settings={"corpus": FLAGS.text_file or "stdlib"},
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
-                                 max_steps=FLAGS.steps, verbose=1 if lead else 0))
+                                 max_steps=FLAGS.steps, verbose=1 if lead else 0,
+                                 fsdp=FLAGS.fsdp, gradient_accumulation_steps=FLAGS.grad_accum,
+                                 remat=models.MODEL_SPECS["lm"].remat_patterns(FLAGS.remat)))
     say(layouts.explain(trainer.layout_plan).splitlines()[-1] +
         f"; per device: weights {memory['weights'] / 2**20:.2f} MiB + AdamW state "
         f"{memory['optimizer'] / 2**20:.2f} MiB", flush=True)
@@ -210,6 +214,8 @@ def run() -> dict:
         "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.num_clients(), "layout": FLAGS.layout,
         "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
+        "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
+        "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
         "train_loss": history.history.get("loss", []),

@@ -139,8 +139,10 @@ def run() -> dict:
     factory = model_spec.factory
 
     optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
+    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     if FLAGS.explain_layouts or FLAGS.device_memory_gb:
-        plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated)
+        plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
+                                    fsdp=FLAGS.fsdp)
         if FLAGS.device_memory_gb:
             layouts.check_memory_budget(
                 plan, FLAGS.device_memory_gb * 2 ** 30,
@@ -177,7 +179,9 @@ def run() -> dict:
             checkpoint_dir=FLAGS.checkpoint_dir, tensorboard_dir=FLAGS.tensorboard_dir,
             max_steps=FLAGS.max_steps, verbose=1 if lead else 0,
             restart_from_scratch=FLAGS.restart_from_scratch,
-            allow_change=tuple(FLAGS.allow_change),
+            allow_change=tuple(FLAGS.allow_change), fsdp=FLAGS.fsdp,
+            gradient_accumulation_steps=FLAGS.grad_accum,
+            remat=model_spec.remat_patterns(FLAGS.remat),
             settings={"data_source": FLAGS.dataset, "augment": FLAGS.augment}))
     if lead:
         print(layouts.explain(trainer.layout_plan).splitlines()[-1], flush=True)
@@ -197,6 +201,8 @@ def run() -> dict:
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,
         "global_batch_size": FLAGS.global_batch_size,
         "steps_per_execution": trainer.steps_per_execution,
+        "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
+        "grad_accum": FLAGS.grad_accum,
         "shard_optimizer_state": trainer.steps.shard_optimizer_state,
         "steps": trainer.global_step,
         # Settings changed on purpose at a resume (--allow_change): {key: {old, new}}; the values

@@ -70,6 +70,7 @@ CLI_CASES = [  # (flags, phrase the one-line error must contain)
     (["--steps_per_execution", "0"], "--steps_per_execution must be auto or a positive integer; got 0"),
     (["--max_steps", "0"], "--max_steps must be a positive integer; got 0"),
     (["--virtual_devices", "0"], "--virtual_devices must be a positive integer; got 0"),
+    (["--grad_accum", "0"], "--grad_accum must be a positive integer; got 0"),
     (["--learning_rate", "-1"], "--learning_rate must be a positive, finite number; got -1.0"),
     (["--learning_rate", "inf"], "--learning_rate must be a positive, finite number; got inf"),
     (["--learning_rate", "nan"], "--learning_rate must be a positive, finite number; got nan"),

@@ -1,0 +1,130 @@
+"""Initial weights without a full copy: each client materializes only its own shards.
+
+``build_model`` needs two things from a model before any DTensor variable exists: the path and
+shape of every weight (to plan and validate the layouts) and the initial values a plain
+single-device build would draw (so every mesh starts from the same weights). Building the plain
+model for that held the whole model on every client, plus a numpy copy, while the laid-out
+model was built: a model larger than one host could not be built on any number of hosts.
+
+dtk instead builds the reference model with tf_keras' lazy variables (shapes, no storage), then
+draws the initial values one weight at a time, in the order the plain build would (the order the
+variables were created, after the same ``set_random_seed``), so each value equals the plain
+build's exactly. Each value is sliced on the host, and only this client's shards go to its
+devices (``dtensor.pack``); the full value is dropped before the next weight is drawn. At most
+one full weight is on a host at a time.
+
+A factory that needs real values while it builds (``Normalization.adapt()`` on data, a subclassed
+model whose symbolic build fails with lazy variables) falls back to a plain build, with one info
+line naming why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+_log = logging.getLogger("dtk")
+
+
+def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequence[int] | None,
+               dtype: str) -> tf_keras.Model:
+    """``model_factory()`` built with lazy variables: paths and shapes, no storage.
+
+    Raises:
+      Exception: whatever the factory raises when it needs real values (the caller falls back).
+    """
+    from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
+    with lazy_variable.lazy_init_scope():
+        model = model_factory()
+        if not model.built and input_shape is not None:
+            model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
+    return model
+
+
+def is_lazy(variable: tf.Variable) -> bool:
+    from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
+    return isinstance(getattr(variable, "_variable", variable), lazy_variable.LazyInitVariable)
+
+
+def creation_order(weights: Sequence[tuple[str, tf.Variable]]) -> list[tuple[str, tf.Variable]]:
+    """Lazy weights in the order they were created, which is the order a plain build draws
+    their initial values in (a lazy variable's unique id ends with a global counter)."""
+    def created(item):
+        variable = getattr(item[1], "_variable", item[1])
+        return int(variable._unique_id.rsplit("_", 1)[1])  # pylint: disable=protected-access
+    return sorted(weights, key=created)
+
+
+def initial_value(variable: tf.Variable) -> np.ndarray:
+    """Draws a lazy variable's initial value (its initializer, called as a plain build would)."""
+    variable = getattr(variable, "_variable", variable)
+    value = variable._initial_value  # pylint: disable=protected-access
+    if callable(value):
+        value = value()
+    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+
+
+def local_shards(value: np.ndarray, layout: dtensor.Layout) -> list[np.ndarray]:
+    """The slices of a global value that this client's devices hold under ``layout``, in the
+    order ``dtensor.pack`` takes them (the mesh's local devices)."""
+    mesh = layout.mesh
+    shards = []
+    for location in mesh.local_device_locations():
+        index = []
+        for dim, axis in enumerate(layout.sharding_specs):
+            if axis == dtensor.UNSHARDED:
+                index.append(slice(None))
+                continue
+            size = value.shape[dim] // mesh.dim_size(axis)
+            start = location[axis] * size
+            index.append(slice(start, start + size))
+        shards.append(value[tuple(index)])
+    return shards
+
+
+def assign_global(variable: tf.Variable, value) -> None:
+    """Assigns a global value to a (possibly sharded, possibly autocast) DTensor variable,
+    sending each of this client's devices only its own shard."""
+    target = getattr(variable, "_variable", variable)
+    layout = dtensor.fetch_layout(target)
+    value = np.asarray(value, dtype=target.dtype.base_dtype.as_numpy_dtype)
+    shards = [tf.constant(s) for s in local_shards(value, layout)]
+    target.assign(dtensor.pack(shards, layout))
+
+
+@contextlib.contextmanager
+def placeholder_values(paths: Sequence[str]) -> Iterator[None]:
+    """While tf_keras lays out a model: the weights named in ``paths`` start as zeros.
+
+    Their initial values are assigned afterwards (``assign_global``), so running their
+    initializers would be wasted, and it is not cheap: tf_keras runs each one replicated (a full
+    copy on every local device) and then relayouts it, 230 MiB of peak for a 98 MiB LM on
+    ``model=8``. Zeros made under the layout allocate only each device's shard. Other variables the build creates
+    (a random generator's state) keep their initializers.
+    """
+    from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    original = keras_layout_map._create_dvariable  # pylint: disable=protected-access
+    wanted = set(paths)
+
+    def create(layout_map, object_path, variable):
+        layout = layout_map[object_path] if object_path in wanted else None
+        if layout is None:
+            return original(layout_map, object_path, variable)
+        # tf_keras would run the initializer replicated (a full copy on every device), then
+        # relayout; zeros made under the layout exist only as each device's shard.
+        value = dtensor.call_with_layout(tf.zeros, layout, shape=variable.shape,
+                                         dtype=variable.dtype)
+        name = variable.name[:-2] if variable.name.endswith(":0") else variable.name
+        return dtensor.DVariable(value, trainable=variable.trainable, name=name)
+
+    keras_layout_map._create_dvariable = create  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        keras_layout_map._create_dvariable = original  # pylint: disable=protected-access

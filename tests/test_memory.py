@@ -1,0 +1,209 @@
+"""Memory that scales with the mesh: FSDP, remat and gradient accumulation keep one-device
+numbers (and resume exactly); a build holds no full copy of the model; bad inputs are one line."""
+
+import functools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dtk
+from dtk import input as input_lib
+from dtk import layouts, models
+from tests import procs
+
+N_TRAIN, BATCH = 128, 32  # 4 steps per epoch
+
+# (factory, layout table, remat patterns, example shape, labels) per model kind.
+MODELS = {
+    "mlp": (functools.partial(models.mnist_mlp, hidden=16, dropout=0.2), "mlp_model_parallel",
+            (r"d\d",), (28, 28, 1), 10),
+    "cnn": (functools.partial(models.mnist_cnn, filters=(8, 16), hidden=16), "cnn_data_parallel",
+            (r"c\d", r"d\d"), (28, 28, 1), 10),
+    "lm": (functools.partial(models.transformer_lm, vocab=32, seq_len=8, dim=16, heads=4, layers=2,
+                             dropout=0.1), "transformer_lm", models.MODEL_SPECS["lm"].remat,
+           (8,), 32),
+}
+# What each variant changes; "all" combines them (accumulation over 4 microbatches).
+VARIANTS = {"fsdp": {"fsdp": True}, "remat": {"remat": "model"},
+            "accum": {"gradient_accumulation_steps": 4},
+            "all": {"fsdp": True, "remat": "model", "gradient_accumulation_steps": 2}}
+
+
+def _data(mesh, kind, n=N_TRAIN):
+    _, _, _, shape, classes = MODELS[kind]
+    rng = np.random.default_rng(1)
+    if kind == "lm":
+        x = rng.integers(0, classes, (n, *shape)).astype(np.int32)
+        y = np.roll(x, -1, axis=1).astype(np.int64)
+    else:
+        x = rng.random((n, *shape), dtype=np.float32)
+        y = rng.integers(0, classes, n).astype(np.int64)
+    return input_lib.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices((x, y)), mesh,
+        input_lib.InputConfig(global_batch_size=BATCH, shuffle=True, seed=2, num_classes=classes))
+
+
+def _trainer(kind, spec, *, table=None, **config):
+    factory, default_table, remat, _, _ = MODELS[kind]
+    if config.get("remat") == "model":
+        config["remat"] = remat
+    mesh = dtk.build_mesh(spec)
+    if spec.startswith("batch=1,") or spec == "batch=1" or "model" not in spec:
+        table = table or ("data_parallel" if kind != "cnn" else default_table)
+    config.setdefault("verbose", 0)
+    config.setdefault("steps_per_execution", 1)
+    return dtk.Trainer(mesh=mesh, model=factory, layout=table or default_table,
+                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=0.01),
+                       loss="sparse_categorical_crossentropy",
+                       config=dtk.TrainerConfig(seed=3, **config))
+
+
+_REFERENCE = {}
+
+
+def _reference(kind):
+    """Two epochs on one device, plain (no FSDP, remat or accumulation); once per model kind."""
+    if kind not in _REFERENCE:
+        one = _trainer(kind, "batch=1")
+        history = one.fit(_data(one.mesh, kind), epochs=2).history["loss"]
+        _REFERENCE[kind] = (history, dtk.gather_weights(one.model))
+    return _REFERENCE[kind]
+
+
+def _check(trainer, history, kind):
+    want_loss, want_weights = _reference(kind)
+    np.testing.assert_allclose(history, want_loss, rtol=1e-5)
+    # atol: Adam (lr 0.01) turns rounding noise in zero gradients (attention's key bias has
+    # none in theory) into steps of ~1e-5; real differences are orders larger.
+    for a, b in zip(dtk.gather_weights(trainer.model), want_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4 if kind == "lm" else 1e-5)
+
+
+_FAST = {("all", "lm", "batch=4,model=2"), ("fsdp", "mlp", "batch=8"),
+         ("accum", "cnn", "batch=8"), ("remat", "lm", "batch=2,model=4")}
+
+
+@pytest.mark.parametrize("variant, kind, spec", [
+    pytest.param(v, k, s, marks=() if (v, k, s) in _FAST else pytest.mark.slow)
+    for v in VARIANTS for k in MODELS
+    for s in ("batch=8", "batch=4,model=2", "batch=2,model=4")
+    if not (k == "cnn" and "model" in s)])  # the CNN's table has no model axis
+def test_variant_matches_one_device(variant, kind, spec):
+    trainer = _trainer(kind, spec, **VARIANTS[variant])
+    history = trainer.fit(_data(trainer.mesh, kind), epochs=2).history["loss"]
+    _check(trainer, history, kind)
+    if VARIANTS[variant].get("fsdp"):
+        assert trainer.layout_plan.fsdp and not trainer.steps.shard_optimizer_state
+
+
+@pytest.mark.parametrize("variant", [pytest.param("all"), pytest.param("fsdp", marks=pytest.mark.slow),
+                                     pytest.param("accum", marks=pytest.mark.slow)])
+def test_variant_resumes_exactly(tmp_path, variant):
+    """Stopped mid-epoch and resumed: the same numbers as one device, uninterrupted."""
+    first = _trainer("lm", "batch=4,model=2", checkpoint_dir=str(tmp_path), max_steps=3,
+                     **VARIANTS[variant])
+    first.fit(_data(first.mesh, "lm"), epochs=2)
+    assert first.global_step == 3
+    second = _trainer("lm", "batch=4,model=2", checkpoint_dir=str(tmp_path), **VARIANTS[variant])
+    history = second.fit(_data(second.mesh, "lm"), epochs=2).history["loss"]
+    assert second.global_step == 2 * N_TRAIN // BATCH  # updates, not microbatches
+    _check(second, history, "lm")
+
+
+def test_fsdp_checkpoint_resumes_without_fsdp(tmp_path):
+    """FSDP changes where weights live, not what a checkpoint holds."""
+    first = _trainer("mlp", "batch=8", checkpoint_dir=str(tmp_path), max_steps=5, fsdp=True)
+    first.fit(_data(first.mesh, "mlp"), epochs=2)
+    second = _trainer("mlp", "batch=4,model=2", checkpoint_dir=str(tmp_path))
+    history = second.fit(_data(second.mesh, "mlp"), epochs=2).history["loss"]
+    _check(second, history, "mlp")
+
+
+def test_fsdp_plan_and_explainer():
+    mesh = dtk.build_mesh("batch=4,model=2")
+    factory = functools.partial(models.transformer_lm, vocab=32, seq_len=8, dim=16, heads=4, layers=1)
+    plan = layouts.plan_layouts("transformer_lm", mesh, factory, fsdp=True)
+    plain = layouts.plan_layouts("transformer_lm", mesh, factory)
+    by_path = {w.path: w for w in plan.weights}
+    ff1 = by_path["block0_ff1.kernel"]  # [16, 64]: the table shards dim 1 on model
+    assert ff1.compute_dims == (None, "model") and ff1.dims == ("batch", "model")
+    assert ff1.bytes_per_device == 16 * 64 * 4 // 8
+    mem, base = layouts.memory_per_device(plan), layouts.memory_per_device(plain)
+    assert mem["weights"] < base["weights"] / 2 and mem["gathered_in_step"] > 0
+    text = layouts.explain(plan)
+    assert "(fsdp; computes [unsharded, model])" in text and "fsdp" in text.splitlines()[-1]
+    # Weights the batch axis cannot split stay replicated, said once with their bytes.
+    kept = [w for w in plan.weights if w.compute_dims is None]
+    assert kept and all(all(d != "batch" for d in w.dims) for w in kept)
+    warnings = [w for w in plan.warnings if w.startswith("fsdp:")]
+    assert len(warnings) == 1 and f"{len(kept)} weight(s)" in warnings[0]
+
+
+def test_accumulation_and_remat_bad_values():
+    mesh = dtk.build_mesh("batch=8")
+    with pytest.raises(ValueError, match=r"does not divide the per-device batch: global batch 32 "
+                                         r"over mesh axis 'batch' \(size 8\) is 4 examples"):
+        dtk.steps.check_accumulation(32, mesh, 3)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive integer"):
+        dtk.TrainerConfig(gradient_accumulation_steps=0)
+    with pytest.raises(ValueError, match="tuple of layer-name patterns"):
+        dtk.TrainerConfig(remat="d1")
+    with pytest.raises(ValueError, match=r"remat pattern 'nope\\d' matches no layer"):
+        _trainer("mlp", "batch=8", remat=(r"nope\d",))
+
+
+# -- no full copy while building --------------------------------------------------------------
+BUILD_CLIENT = """
+import os, resource, sys
+import numpy as np
+import dtk
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+mesh = dtk.build_mesh("batch=1,model=4", device_type="cpu")
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 1), shape=[4]).numpy()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def factory():
+    import tf_keras
+    return tf_keras.Sequential([tf_keras.layers.Dense(8192, input_shape=(4096,), name="big")])
+model, _ = dtk.build_model(factory, mesh, sys.argv[1], seed=0)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+if dtk.cluster.client_id() == 0:
+    print("GROWTH", peak - base)
+"""
+
+
+@pytest.mark.slow
+def test_two_client_build_holds_one_full_weight_at_most(tmp_path):
+    """A 128 MiB kernel sharded over 4 devices (2 per client): a client's peak grows by its
+    64 MiB of shards plus at most one full copy of the weight, drawn once (the plain build held
+    the model, a numpy copy and a replicated copy: 3-4 times the weight)."""
+    script = tmp_path / "build.py"
+    table = tmp_path / "big.toml"
+    table.write_text('name = "big"\naxes = ["model"]\n[[rules]]\npattern = "big\\\\.kernel"\n'
+                     'dims = ["unsharded", "model"]\n[[rules]]\npattern = "big\\\\.bias"\n'
+                     'dims = ["model"]\n')
+    script.write_text(BUILD_CLIENT)
+    res = subprocess.run([sys.executable, "-m", "dtk.launch", "--num_clients", "2",
+                          "--devices_per_client", "2", "--", sys.executable, str(script), str(table)],
+                         capture_output=True, text=True, timeout=240, env=procs.base_env(),
+                         cwd=procs.REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    growth = int(res.stdout.split("GROWTH")[1].split()[0])
+    weight = 4096 * 8192 * 4
+    assert growth < 2.0 * weight, f"the build grew the client by {growth / 2**20:.0f} MiB"
+
+
+@pytest.mark.slow
+def test_cli_grad_accum_that_does_not_divide_is_one_line():
+    res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "train_mnist.py"), "--mesh",
+                          "batch=8", "--dataset", "sample", "--global_batch_size", "32",
+                          "--grad_accum", "3"], capture_output=True, text=True, timeout=120,
+                         env=procs.base_env(), cwd=procs.REPO)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert "does not divide the per-device batch" in lines[0] and "(size 8)" in lines[0]
