@@ -23,6 +23,7 @@ an error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -593,8 +594,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
             raise ValueError(f"model_factory built different models on two calls: weight {path} "
                              "of the plain build is missing or has another shape in the laid-out "
                              "build; the factory must build the same model every time")
-        materialize.assign_global(
-            variable, materialize.initial_value(source) if lazy else source.numpy())
+        materialize.assign_global(variable, functools.partial(
+            materialize.initial_value if lazy else lambda v: v.numpy(), source))
     if targets:
         raise ValueError(f"model_factory built different models on two calls: weights "
                          f"{sorted(targets)[:4]} of the laid-out build are not in the plain build; "

@@ -88,13 +88,18 @@ def local_shards(value: np.ndarray, layout: dtensor.Layout) -> list[np.ndarray]:
     return shards
 
 
-def assign_global(variable: tf.Variable, value) -> None:
-    """Assigns a global value to a (possibly sharded, possibly autocast) DTensor variable,
-    sending each of this client's devices only its own shard."""
+def assign_global(variable: tf.Variable, value: Callable[[], np.ndarray]) -> None:
+    """Assigns a global value (made by ``value()``) to a (possibly sharded, possibly autocast)
+    DTensor variable, sending each of this client's devices only its own shard.
+
+    The full value is dropped as soon as this client's shards are cut from it, before they go
+    to the devices: a weight's peak on the host is the weight plus this client's shards.
+    """
     target = getattr(variable, "_variable", variable)
     layout = dtensor.fetch_layout(target)
-    value = np.asarray(value, dtype=target.dtype.base_dtype.as_numpy_dtype)
-    shards = [tf.constant(s) for s in local_shards(value, layout)]
+    full = np.asarray(value(), dtype=target.dtype.base_dtype.as_numpy_dtype)
+    shards = [tf.constant(s) for s in local_shards(full, layout)]
+    del full
     target.assign(dtensor.pack(shards, layout))
 
 

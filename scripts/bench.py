@@ -53,7 +53,7 @@ WORKLOADS = {
                          "steps": 12, "dropout": 0.1, "keras_rng": True},
 }
 MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
-          "dtk_batch1_model8": "batch=1,model=8"}
+          "dtk_batch1_model8": "batch=1,model=8", "dtk_batch4_model2_fsdp": "batch=4,model=2"}
 VARIANTS = {
     "floor": "plain tf.function loop, 1 device",
     "keras_fit": "plain tf_keras Model.fit, 1 device",
@@ -66,10 +66,15 @@ VARIANTS = {
     "dtk_batch4_model2": "dtk Steps, mesh batch=4,model=2 (mlp_model_parallel / transformer_lm)",
     "dtk_batch2_model4": "dtk Steps, mesh batch=2,model=4 (model-parallel table)",
     "dtk_batch1_model8": "dtk Steps, mesh batch=1,model=8 (model-parallel table)",
+    "dtk_batch8_fsdp": "dtk Steps, mesh batch=8, FSDP (weights stored sharded, gathered per step)",
+    "dtk_batch4_model2_fsdp": "dtk Steps, mesh batch=4,model=2, FSDP x model parallel",
+    "dtk_batch8_fsdp_remat": "dtk Steps, mesh batch=8, FSDP + remat of the model's blocks",
+    "dtk_batch8_remat": "dtk Steps, mesh batch=8, remat of the model's blocks (replicated update)",
 }
 # Run by default; the rest with --variants (the whole default run stays under 10 minutes here).
 DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("dtk_batch8_zero_spe", "dtk_batch2_model4",
-                                                     "dtk_batch1_model8")]
+                                                     "dtk_batch1_model8") and "fsdp" not in v
+                    and "remat" not in v]
 WORKER_TIMEOUT_S = 300
 
 
@@ -188,17 +193,18 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
         from dtk import layouts  # pylint: disable=g-import-not-at-top
         mesh_spec, table = (("batch=4,model=2", "mlp_model_parallel")
-                            if variant == "dtk_batch4_model2" else ("batch=8", "data_parallel"))
+                            if variant.startswith("dtk_batch4_model2") else ("batch=8", "data_parallel"))
         mesh = dtk.build_mesh(mesh_spec)
         start = time.perf_counter()
         model, _ = layouts.build_model(lambda: _model(tf_keras, hidden), mesh,
-                                       layouts.load_table(table), seed=0)
+                                       layouts.load_table(table), seed=0, fsdp="_fsdp" in variant)
         steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
                               metrics=["accuracy"], mesh=mesh,
                               config=dtk.StepConfig(
                                   steps_per_execution=spe,
                                   shard_optimizer_state=("auto" if variant == "dtk_default"
-                                                         else "_zero" in variant)))
+                                                         else "_zero" in variant),
+                                  remat=(r"d\d+",) if "_remat" in variant else ()))
         packed = (None if variant == "dtk_default"
                   else input_lib.pack(mesh, (x, y, w), stacked=True) if spe > 1
                   else input_lib.pack(mesh, (x[0], y[0], w[0])))
@@ -224,7 +230,8 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk import layouts, models  # pylint: disable=g-import-not-at-top
-    if variant not in ("floor", "dtk_batch8", "dtk_batch8_zero") and variant not in MESHES:
+    if variant not in ("floor", "dtk_batch8", "dtk_batch8_zero", "dtk_batch8_fsdp",
+                       "dtk_batch8_fsdp_remat", "dtk_batch8_remat") and variant not in MESHES:
         raise SystemExit(f"variant {variant} does not apply to the lm workload")
     batch, seq = spec["batch"], spec["seq_len"]
 
@@ -248,7 +255,8 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         first, times = _timed(lambda: step(xb, yb), steps)
     else:
         mesh = dtk.build_mesh(MESHES.get(variant, "batch=8"))
-        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0)
+        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
+                                       fsdp="_fsdp" in variant)
         if spec.get("keras_rng"):  # undo dtk.randomness: Keras's generator, per-device draws
             from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
             for layer in model._flatten_layers():  # pylint: disable=protected-access
@@ -256,7 +264,9 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
                     layer._random_generator.__class__ = backend.RandomGenerator  # pylint: disable=protected-access
         steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
                               mesh=mesh, config=dtk.StepConfig(
-                                  shard_optimizer_state="_zero" in variant))
+                                  shard_optimizer_state="_zero" in variant,
+                                  remat=models.MODEL_SPECS["lm"].remat if "_remat" in variant
+                                  else ()))
         packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
         build_s = time.perf_counter() - start
         first, times = _timed(lambda: steps_obj.train(packed), steps)

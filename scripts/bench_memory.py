@@ -1,0 +1,137 @@
+"""Memory per client, measured and planned, for the ways dtk can lay out the LM's training state.
+
+Each variant runs ``scripts/train_lm.py`` for a few steps as ``--num_clients`` clients of
+``--devices_per_client`` virtual CPUs each (``python -m dtk.launch``), and reports for every
+client its peak resident memory (``ru_maxrss``, read when the client exits), the plan's bytes per
+device (weights + AdamW state, and what FSDP gathers during a step), and the median step time
+from the run's summary. The first row is the same run at ``--baseline_dim`` (the fixed cost of
+TensorFlow, DTensor and the data): a variant's cost is its peak minus the baseline's.
+
+Example (issue 24's model: 772.7 MiB of weights, 4 clients x 2 devices)::
+
+    python scripts/bench_memory.py --dim 2048 --layers 4
+
+Variants (``--variants``, comma-separated):
+
+* ``tp``: ``--mesh batch=1,model=8`` (Megatron table over all 8 devices)
+* ``replicated``: ``--mesh batch=8 --noshard_optimizer_state``
+* ``zero``: ``--mesh batch=8 --shard_optimizer_state``
+* ``fsdp``: ``--mesh batch=8 --fsdp``
+* ``fsdp_tp``: ``--mesh batch=4,model=2 --fsdp``
+* ``fsdp_remat``: ``--mesh batch=8 --fsdp --remat blocks``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {
+    "tp": ["--mesh", "batch=1,model=8"],
+    "replicated": ["--mesh", "batch=8", "--noshard_optimizer_state"],
+    "zero": ["--mesh", "batch=8", "--shard_optimizer_state"],
+    "fsdp": ["--mesh", "batch=8", "--fsdp"],
+    "fsdp_tp": ["--mesh", "batch=4,model=2", "--fsdp"],
+    "fsdp_remat": ["--mesh", "batch=8", "--fsdp", "--remat", "blocks"],
+}
+# Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
+# dtk ends the process early, see dtk.cluster.exit_process).
+SHIM = ("import atexit, resource, runpy, sys; "
+        "atexit.register(lambda: print('DTK_PEAK_RSS', resource.getrusage("
+        "resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+PEAK = re.compile(r"\[client (\d+)\] DTK_PEAK_RSS (\d+)")
+
+
+def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dtk-bench-memory-") as tmp:
+        summary = os.path.join(tmp, "summary.json")
+        command = [sys.executable, "-m", "dtk.launch", "--num_clients", str(args.num_clients),
+                   "--devices_per_client", str(args.devices_per_client), "--",
+                   sys.executable, "-c", SHIM, os.path.join(REPO, "scripts", "train_lm.py"),
+                   *flags, "--dim", str(dim), "--layers", str(args.layers),
+                   "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
+                   "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
+                   "--sample_bytes", "0", "--summary_json", summary]
+        try:
+            res = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        except subprocess.TimeoutExpired:
+            return {"variant": name, "dim": dim, "error": f"timed out after {timeout:.0f} s"}
+        peaks = {int(c): int(b) for c, b in PEAK.findall(res.stdout)}
+        if res.returncode != 0 or not os.path.exists(summary):
+            tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+            return {"variant": name, "dim": dim, "error": f"exit {res.returncode}: {' | '.join(tail)}"}
+        with open(summary) as f:
+            data = json.load(f)
+    planned = data.get("planned_bytes_per_device", {})
+    return {"variant": name, "dim": dim, "peak_rss_per_client": [peaks[c] for c in sorted(peaks)],
+            "planned_per_device": planned,
+            "planned_per_client": planned.get("total", 0) * args.devices_per_client,
+            "ms_per_step": data.get("ms_per_step_median"), "first_step_s": data.get("first_step_s")}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:8.1f}"
+
+
+def table(rows: list[dict], baseline: dict | None) -> str:
+    base = max(baseline["peak_rss_per_client"]) if baseline and "error" not in baseline else 0
+    lines = ["variant       planned/device MiB (weights+state, gathered)  planned/client MiB  "
+             "peak RSS/client MiB (max)  over baseline MiB  bound MiB  ms/step"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['variant']:<13} {row['error']}")
+            continue
+        p = row["planned_per_device"]
+        peak = max(row["peak_rss_per_client"])
+        bound = base + 1.5 * row["planned_per_client"] if base else 0
+        ms = f"{row['ms_per_step']:8.1f}" if row["ms_per_step"] else "       -"
+        lines.append(
+            f"{row['variant']:<13} {_mib(p.get('weights', 0))} + {_mib(p.get('optimizer', 0))}, "
+            f"{_mib(p.get('gathered_in_step', 0))}        {_mib(row['planned_per_client'])}      "
+            f"{_mib(peak)}                  {_mib(peak - base) if base else '       -'}  "
+            f"{_mib(bound) if base else '       -'}  {ms}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--global_batch_size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--num_clients", type=int, default=4)
+    parser.add_argument("--devices_per_client", type=int, default=2)
+    parser.add_argument("--baseline_dim", type=int, default=128)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    baseline = run_variant("tp", VARIANTS["tp"], args, args.baseline_dim, args.timeout)
+    baseline["variant"] = f"baseline (dim {args.baseline_dim}, tp)"
+    print(table([baseline], None), flush=True)
+    rows = []
+    for name in names:
+        rows.append(run_variant(name, VARIANTS[name], args, args.dim, args.timeout))
+        print(table([rows[-1]], baseline).splitlines()[-1], flush=True)
+    print("\n" + table([baseline, *rows], baseline))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "baseline": baseline, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
