@@ -5,7 +5,7 @@ Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after 
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
 MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
-after every step; MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
+after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
 """
@@ -50,6 +50,10 @@ if os.environ.get("MC_SCALE"):  # scale mode: each client reads its half of the 
         lambda shard: data.shard(shard.num_clients, shard.client_id), mesh, config)
 else:
     train = input_lib.DistributedDataset(data, mesh, config)
+# MC_MEMORY=1: FSDP (weights sharded across the clients), remat and gradient accumulation; the
+# numbers stay those of one process without them.
+MEMORY = ({"fsdp": True, "remat": (r"d\d",), "gradient_accumulation_steps": 2}
+          if os.environ.get("MC_MEMORY") else {})
 # With dropout: 2 clients x 4 match one process, and a killed group resumes to the same numbers,
 # only if the masks do not depend on the client count (dtk.randomness).
 trainer = dtk.Trainer(mesh=mesh, model=functools.partial(dtk.models.mnist_mlp, dropout=0.2),
@@ -57,7 +61,7 @@ trainer = dtk.Trainer(mesh=mesh, model=functools.partial(dtk.models.mnist_mlp, d
                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
                       config=dtk.TrainerConfig(seed=int(os.environ.get("MC_SEED", "0")),
                                                checkpoint_dir=os.environ.get("MC_CKPT") or None,
-                                               verbose=0))
+                                               verbose=0, **MEMORY))
 
 
 def _listening_ports():

@@ -92,9 +92,12 @@ def test_killed_client_stops_the_group_fast():
 
 
 def test_restart_resumes_from_checkpoint(tmp_path, single_process):
+    """With FSDP (weights, gradients and Adam state sharded across the two clients), remat and
+    gradient accumulation: killed, restarted and resumed, the run still matches one plain
+    process."""
     out = tmp_path / "losses.json"
     env = procs.base_env(MC_KILL_AT="12", MC_MARKER=str(tmp_path / "killed"),
-                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out))
+                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out), MC_MEMORY="1")
     res, _ = _launch("--num_clients", "2", "--max_restarts", "1", "--", sys.executable, CLIENT,
                      env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
