@@ -137,7 +137,7 @@ def _setup():
 def run() -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, text  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
     spec, mesh, table, factory, plan, memory = _setup()
     lead = dtk.cluster.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
