@@ -831,8 +831,9 @@ def check_memory_budget(plan: LayoutPlan, budget_bytes: float, **kwargs) -> dict
             f"the model does not fit the device memory budget on mesh {mesh}: weights "
             f"{_bytes(memory['weights'])} + optimizer state {_bytes(memory['optimizer'])} = "
             f"{_bytes(memory['total'])} per device > budget {_bytes(int(budget_bytes))} "
-            "(activations not counted). Shard it on a larger model axis (e.g. model=8), turn on "
-            "the sharded optimizer update, or raise the budget")
+            "(activations not counted). Shard it on a larger model axis (e.g. model=8), store "
+            "it sharded over the batch axis too (fsdp=True, --fsdp), turn on the sharded "
+            "optimizer update, or raise the budget")
     return memory
 
 

@@ -101,6 +101,30 @@ def assign_global(variable: tf.Variable, value: Callable[[], np.ndarray]) -> Non
     shards = [tf.constant(s) for s in local_shards(full, layout)]
     del full
     target.assign(dtensor.pack(shards, layout))
+    del shards
+    release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Gives memory freed on the heap back to the system (glibc's ``malloc_trim``).
+
+    glibc keeps freed blocks of up to 32 MiB for reuse after it has seen one freed, so the
+    placeholders, full values and shards of a build stay resident: 458 MiB after building a
+    194 MiB LM on 8 devices of one host, against 273 MiB with the memory given back. Elsewhere
+    than on glibc this does nothing.
+    """
+    global _TRIM  # pylint: disable=global-statement
+    if _TRIM is None:
+        try:
+            import ctypes  # pylint: disable=g-import-not-at-top
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 @contextlib.contextmanager

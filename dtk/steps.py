@@ -35,7 +35,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import fsdp, randomness, remat
+from dtk import fsdp, materialize, randomness, remat
 from dtk.layouts import shard_over_axis
 from dtk.cluster import num_clients
 from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
@@ -228,6 +228,7 @@ class Steps:
         # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
         self.optimizer.build(self._masters or [getattr(v, "_variable", v)
                                                for v in model.trainable_variables])
+        materialize.release_free_memory()  # what building the state freed (dtk.materialize)
         self._train_one = self._compile(self._train_body, "train", stacked=False)
         self._train_many = self._compile(self._train_body, "train", stacked=True)
         self._evaluate = self._compile(self._eval_body, "evaluate", stacked=False)
