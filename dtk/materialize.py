@@ -21,15 +21,12 @@ line naming why.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
-
-_log = logging.getLogger("dtk")
 
 
 def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequence[int] | None,
@@ -45,11 +42,6 @@ def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequenc
         if not model.built and input_shape is not None:
             model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
     return model
-
-
-def is_lazy(variable: tf.Variable) -> bool:
-    from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
-    return isinstance(getattr(variable, "_variable", variable), lazy_variable.LazyInitVariable)
 
 
 def creation_order(weights: Sequence[tuple[str, tf.Variable]]) -> list[tuple[str, tf.Variable]]:
