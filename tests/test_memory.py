@@ -95,8 +95,15 @@ CASES += [("remat", "lm", "batch=2,model=4"), ("remat", "mlp", "batch=4,model=2"
           ("all", "lm", "batch=4,model=2"), ("all", "mlp", "batch=2,model=4")]
 
 
+# Every run: the fast cases and one more per model kind; the rest of the matrix in the release
+# lane (pytest -m zoo), for the suite's time budget.
+_EVERY_RUN = {("fsdp", "lm", "batch=2,model=4"), ("fsdp", "cnn", "batch=8"),
+              ("all", "mlp", "batch=2,model=4")}
+
+
 @pytest.mark.parametrize("variant, kind, spec", [
-    pytest.param(*case, marks=() if case in _FAST else pytest.mark.slow) for case in CASES])
+    pytest.param(*case, marks=() if case in _FAST else (pytest.mark.slow,) if case in _EVERY_RUN
+                 else (pytest.mark.slow, pytest.mark.zoo)) for case in CASES])
 def test_variant_matches_one_device(variant, kind, spec):
     trainer = _trainer(kind, spec, **VARIANTS[variant])
     history = trainer.fit(_data(trainer.mesh, kind), epochs=2).history["loss"]
@@ -105,8 +112,9 @@ def test_variant_matches_one_device(variant, kind, spec):
         assert trainer.layout_plan.fsdp and not trainer.steps.shard_optimizer_state
 
 
-@pytest.mark.parametrize("variant", [pytest.param("all"), pytest.param("fsdp", marks=pytest.mark.slow),
-                                     pytest.param("accum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", [
+    pytest.param("all"), pytest.param("fsdp", marks=(pytest.mark.slow, pytest.mark.zoo)),
+    pytest.param("accum", marks=(pytest.mark.slow, pytest.mark.zoo))])
 def test_variant_resumes_exactly(tmp_path, variant):
     """Stopped mid-epoch and resumed: the same numbers as one device, uninterrupted."""
     first = _trainer("lm", "batch=4,model=2", checkpoint_dir=str(tmp_path), max_steps=3,

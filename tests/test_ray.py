@@ -177,6 +177,7 @@ def test_ray_checkpoint_staging_holds_the_latest_only(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.zoo  # 85-128 s, the longest test: the release lane (Ray Train runs every time)
 def test_tune_search_over_two_worker_trials(tmp_path):
     """2 trials x 2 Ray Train workers under ASHA: every epoch reported, no placement group left."""
     summary = tmp_path / "tune.json"
