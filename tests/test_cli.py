@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -80,11 +81,22 @@ def test_bad_output_paths_are_refused(tmp_path, kind, make, phrase):
     assert "--out" in str(err.value)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="as root, permission bits do not stop a write; the read-only case is covered by /proc/self in test_bad_output_paths_are_refused")
-def test_read_only_parent_is_refused(tmp_path):
-    (tmp_path / "ro").mkdir(mode=0o555)
+def test_read_only_parent_is_refused(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    if os.geteuid() == 0:
+        # Root writes through permission bits; a read-only mount refuses it with EACCES/EROFS,
+        # which is what the probe then sees.
+        real = tempfile.mkdtemp
+
+        def refused(*args, **kwargs):
+            if str(kwargs.get("dir", "")).startswith(str(ro)):
+                raise PermissionError(13, "Permission denied", kwargs["dir"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkdtemp", refused)
     with pytest.raises(cli.UsageError, match="not writable"):
-        cli.check_output_path("checkpoint_dir", str(tmp_path / "ro" / "a" / "b"), kind="dir")
+        cli.check_output_path("checkpoint_dir", str(ro / "a" / "b"), kind="dir")
 
 
 def test_good_output_paths_leave_nothing_behind(tmp_path):
