@@ -37,7 +37,6 @@ from tensorflow.experimental import dtensor
 
 from dtk import fsdp, materialize, randomness, remat
 from dtk.layouts import shard_over_axis
-from dtk.cluster import num_clients
 from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.optimizers import make_loss, make_metrics, make_optimizer
 
@@ -115,17 +114,14 @@ def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -
 
     On when ``batch_axis`` has more than one device and at least one weight has a dim that the
     sharded update can split over it (``update_layout`` differs from the weight's layout); off on
-    ``batch=1`` meshes, for models whose weights are all too small or already sharded there, and
-    on meshes that span several clients (a multi-client checkpoint of a slot sharded across
-    clients was incomplete: "Does not have sufficient slices" on restore).
+    ``batch=1`` meshes and for models whose weights are all too small or already sharded there.
+    The same rule in one process and across clients: a 2-client group killed mid-run, or while
+    saving, resumes to the losses of one uninterrupted process
+    (``tests/test_launch.py::test_restart_resumes_from_checkpoint``).
     Measured (BUILD.md, "Benchmarks"): faster than the replicated update on the MLP, the heavy
     MLP and the language model, with optimizer memory per device divided by the axis size.
     """
     if batch_axis not in mesh.dim_names or mesh.dim_size(batch_axis) < 2:
-        return False
-    if num_clients() > 1:
-        # A slot sharded across clients did not restore from a multi-client checkpoint here
-        # ("Does not have sufficient slices"): opt-in only there (BUILD.md).
         return False
     return any(update_layout(v, mesh, batch_axis).sharding_specs
                != dtensor.fetch_layout(v).sharding_specs for v in variables)

@@ -72,6 +72,7 @@ FAST_TEST_BUDGET_S = float(os.environ.get("DTK_FAST_TEST_BUDGET_S", "20"))
 _over_budget: list[tuple[str, float]] = []
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Groups the process-starting tests (see _starts_processes); skips or requires the tests
     marked ``full_mnist``, which need the real MNIST files beside the checkout.

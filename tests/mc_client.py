@@ -5,7 +5,7 @@ Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after 
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
 MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
-after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
+after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
 """
@@ -54,6 +54,22 @@ else:
 # numbers stay those of one process without them.
 MEMORY = ({"fsdp": True, "remat": (r"d\d",), "gradient_accumulation_steps": 2}
           if os.environ.get("MC_MEMORY") else {})
+if os.environ.get("MC_KILL_IN_SAVE") and client == 1 and not os.path.exists(os.environ["MC_MARKER"]):
+    # MC_KILL_IN_SAVE=N: client 1 dies inside the save of step N, once its shards are issued and
+    # before the save's barrier (client 0 cannot record that checkpoint).
+    from dtk import checkpoint as _checkpoint_lib
+    _write = tf.train.Checkpoint.write
+
+    def _write_then_die(self, prefix, *args, **kwargs):
+        path = _write(self, prefix, *args, **kwargs)
+        if prefix.endswith(f"ckpt-{os.environ['MC_KILL_IN_SAVE']}"):
+            open(os.environ["MC_MARKER"], "w").close()
+            print(f"client 1 kills itself while saving {os.path.basename(prefix)}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+    tf.train.Checkpoint.write = _write_then_die
+if os.environ.get("MC_SHARD"):  # MC_SHARD=1/0: the sharded (ZeRO) update on/off, not "auto"
+    MEMORY["shard_optimizer_state"] = os.environ["MC_SHARD"] == "1"
 # With dropout: 2 clients x 4 match one process, and a killed group resumes to the same numbers,
 # only if the masks do not depend on the client count (dtk.randomness).
 trainer = dtk.Trainer(mesh=mesh, model=functools.partial(dtk.models.mnist_mlp, dropout=0.2),
@@ -106,4 +122,6 @@ history = trainer.fit(train, epochs=int(os.environ.get("MC_EPOCHS", "3")),
 if client == 0 and os.environ.get("MC_OUT"):
     with open(os.environ["MC_OUT"], "w") as f:
         json.dump(history.history, f)
-print("DONE", history.history["loss"], flush=True)
+resumed = getattr(trainer._checkpointer, "restored", None)  # pylint: disable=protected-access
+print("DONE", history.history["loss"], "sharded update:", trainer.steps.shard_optimizer_state,
+      "resumed from:", resumed and os.path.basename(resumed), flush=True)

@@ -91,18 +91,26 @@ def test_killed_client_stops_the_group_fast():
     assert took < 90   # start-up (~10 s) + training to step 3 + teardown (< 15 s)
 
 
-def test_restart_resumes_from_checkpoint(tmp_path, single_process):
-    """With FSDP (weights, gradients and Adam state sharded across the two clients), remat and
-    gradient accumulation: killed, restarted and resumed, the run still matches one plain
-    process."""
+@pytest.mark.parametrize("how", ["fsdp, killed mid-run", "sharded update, killed in a save"])
+def test_restart_resumes_from_checkpoint(tmp_path, single_process, how):
+    """Killed, restarted and resumed, the run still matches one plain process: with FSDP
+    (weights, gradients and Adam state sharded across the two clients), remat and gradient
+    accumulation, client 1 killed mid-epoch; with the default update (sharded across the
+    clients: shard_optimizer_state="auto"), client 1 killed inside the save of step 16, after
+    issuing its shards and before the save's barrier, so that checkpoint is never recorded."""
     out = tmp_path / "losses.json"
-    env = procs.base_env(MC_KILL_AT="12", MC_MARKER=str(tmp_path / "killed"),
-                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out), MC_MEMORY="1")
+    kill = {"MC_KILL_AT": "12", "MC_MEMORY": "1"} if how.startswith("fsdp") else \
+        {"MC_KILL_IN_SAVE": "16"}
+    env = procs.base_env(MC_MARKER=str(tmp_path / "killed"), MC_CKPT=str(tmp_path / "ckpt"),
+                         MC_OUT=str(out), **kill)
     res, _ = _launch("--num_clients", "2", "--max_restarts", "1", "--", sys.executable, CLIENT,
                      env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "restarting the group (1 restart(s) left)" in res.stderr
     assert "Resumed from" not in res.stderr  # verbose=0; the losses tell
+    if "MC_KILL_IN_SAVE" in kill:
+        assert "client 1 kills itself while saving ckpt-16" in res.stdout
+        assert "sharded update: True resumed from: ckpt-8" in res.stdout, res.stdout[-3000:]
     got = json.loads(out.read_text())
     np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
 

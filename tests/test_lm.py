@@ -125,7 +125,7 @@ def test_train_lm_learns_and_generates(tmp_path):
     res = subprocess.run(
         [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--mesh", "batch=2,model=4",
          "--steps", "60", "--eval_every", "30", "--eval_batches", "4", "--sample_bytes", "20",
-         "--seq_len", "64", "--dropout", "0.1",
+         "--seq_len", "64", "--dropout", "0.1", "--layers", "1",
          "--summary_json", str(summary)],
         capture_output=True, text=True, timeout=400, cwd=procs.REPO, env=procs.base_env())
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

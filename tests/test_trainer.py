@@ -161,6 +161,7 @@ def test_resume_with_changed_settings_lists_them(tmp_path, change, kwargs, liste
         again.fit(_data(mesh), epochs=1)
 
 
+@pytest.mark.slow  # 10-14 s: the fast lane's 3-minute budget
 def test_allowed_learning_rate_change_is_applied(tmp_path):
     """Allowed on purpose, the new rate is really used (the checkpoint's would win otherwise)."""
     def run(directory, lr, allow=(), max_steps=None):
@@ -278,6 +279,7 @@ def test_keeps_the_last_checkpoints(tmp_path):
     assert trainer._checkpointer.latest.endswith("ckpt-18")
 
 
+@pytest.mark.slow  # 10-14 s: the fast lane's 3-minute budget
 def test_repeated_dataset_with_steps_per_epoch_resumes_exactly(tmp_path):
     """An infinite (repeat) pipeline with shuffling and augmentation: a run stopped mid-epoch and
     resumed equals the uninterrupted run."""
@@ -312,7 +314,7 @@ def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
     assert trainer_lib.choose_steps_per_call(step_ms / 1e3, overhead_ms / 1e3, epoch) == want
 
 
-@pytest.mark.parametrize("max_steps", [None, 11])
+@pytest.mark.parametrize("max_steps", [None, pytest.param(11, marks=pytest.mark.slow)])
 def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
     """auto re-stacks the stream twice in epoch 0 (1 -> 2 -> 3 per call); the updates, max_steps
     and the history are those of one step per call, bit for bit."""
@@ -348,6 +350,7 @@ def test_auto_shard_optimizer_state_rule(spec, layout, want):
     assert trainer.steps.shard_optimizer_state is want
 
 
+@pytest.mark.slow  # 10-14 s: the fast lane's 3-minute budget
 def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
     """A run stopped mid-epoch resumes with the count it chose (no new calibration), same numbers."""
     from dtk import trainer as trainer_lib
