@@ -14,6 +14,9 @@ client's exit code. Unlike a bare multi-client run, nothing hangs:
   group is stopped with the names of the clients that did not;
 * ``--max_restarts K`` relaunches the whole group after a failure (with ``--checkpoint_dir`` the
   training resumes from the last checkpoint, which every client saved into the shared directory);
+  with ``--min_clients M`` the restart is elastic: it runs on the clients left (one fewer per
+  failure, down to M), and a flexible mesh (``--mesh batch=-1``) spans their devices, with the
+  same global batch, data order and step count, so the losses continue as if nothing happened;
 * SIGTERM or SIGINT to the launcher (``timeout``, Slurm, Kubernetes, Ctrl-C) is forwarded to every
   client; clients still running after a grace period are killed, the launcher's temp directory is
   removed, and the launcher exits with 128 + the signal number;
@@ -80,6 +83,12 @@ class LaunchConfig:
       devices_per_client: CPU only: virtual CPUs per client (``DTK_VIRTUAL_DEVICES``); by default
         each client creates as many as its share of the mesh needs.
       max_restarts: relaunches of the whole group after a failure.
+      min_clients: elastic restarts: each failure loses its client, and the group restarts on
+        the clients left (one fewer per failure), down to ``min_clients``. The command must
+        cope with the new count: a mesh with a flexible axis (``--mesh batch=-1``) spans the
+        devices that are left, and a resumed ``Trainer`` restores its checkpoint into that
+        mesh with the same global batch, data order and step count. None (the default): every
+        restart has ``num_clients``.
       start_timeout_s: every client must build its mesh within this many seconds.
       heartbeat_timeout_s: a client that stops answering fails the others after this long.
       verbose: keep TensorFlow's C++ log lines in the clients' output (hidden by default: see
@@ -89,6 +98,7 @@ class LaunchConfig:
     num_clients: int
     devices_per_client: int | None = None
     max_restarts: int = 0
+    min_clients: int | None = None
     start_timeout_s: float = cluster.DEFAULT_REGISTER_TIMEOUT_S
     heartbeat_timeout_s: float = cluster.DEFAULT_HEARTBEAT_TIMEOUT_S
     verbose: bool = False
@@ -100,6 +110,9 @@ class LaunchConfig:
             raise ValueError(f"devices_per_client must be positive; got {self.devices_per_client}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0; got {self.max_restarts}")
+        if self.min_clients is not None and not 1 <= self.min_clients <= self.num_clients:
+            raise ValueError(f"min_clients must be between 1 and num_clients "
+                             f"({self.num_clients}); got {self.min_clients}")
         for name in ("start_timeout_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # NaN fails both comparisons
@@ -341,9 +354,21 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, handler)
+    group = [config]
+
+    def attempt() -> int:
+        code = run_group(command, group[0], out=out)
+        size = group[0].num_clients
+        if code != 0 and _Stop.signum is None and config.min_clients is not None and \
+                size > config.min_clients:
+            group[0] = dataclasses.replace(group[0], num_clients=size - 1)
+            print(f"dtk.launch: elastic: the next attempt runs on {size - 1} client(s) "
+                  f"(--min_clients {config.min_clients})", file=sys.stderr, flush=True)
+        return code
+
     try:
         return run_with_restarts(
-            lambda: run_group(command, config, out=out), max_restarts=config.max_restarts,
+            attempt, max_restarts=config.max_restarts,
             failed=lambda code: code != 0 and _Stop.signum is None,
             describe=lambda code: f"code {code}", who="dtk.launch")
     finally:
@@ -424,6 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices_per_client", type=int, default=None,
                         help="CPU: virtual devices per client (default: what the mesh needs)")
     parser.add_argument("--max_restarts", type=int, default=0, help="group restarts on failure")
+    parser.add_argument("--min_clients", type=int, default=None,
+                        help="elastic: each restart runs on one client fewer (the lost one), "
+                        "down to this many; use a flexible mesh, e.g. --mesh batch=-1")
     parser.add_argument("--start_timeout", type=float, default=120.0,
                         help="seconds for every client to build its mesh")
     parser.add_argument("--heartbeat_timeout", type=float,
@@ -440,7 +468,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = LaunchConfig(num_clients=args.num_clients,
                               devices_per_client=args.devices_per_client,
-                              max_restarts=args.max_restarts, start_timeout_s=args.start_timeout,
+                              max_restarts=args.max_restarts, min_clients=args.min_clients,
+                              start_timeout_s=args.start_timeout,
                               heartbeat_timeout_s=args.heartbeat_timeout, verbose=args.verbose)
         if not command:
             raise ValueError("no command to launch; put it after '--', e.g. "

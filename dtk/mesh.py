@@ -35,6 +35,7 @@ from dtk.cluster import client_id, is_multi_client, num_clients
 
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
+FLEXIBLE = -1  # the size of the one mesh axis that takes the devices that exist
 DEVICE_TYPES = ("auto", "cpu", "gpu", "tpu")
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -61,11 +62,35 @@ class MeshSpec:
         return tuple(size for _, size in self.axes)
 
     @property
+    def flexible_axis(self) -> str | None:
+        """The axis written with size -1 (it takes the devices that exist), or None."""
+        return next((name for name, size in self.axes if size == FLEXIBLE), None)
+
+    @property
     def num_devices(self) -> int:
+        """Devices the mesh spans; for a flexible spec, the fewest it can span (its fixed axes)."""
         n = 1
         for size in self.shape:
-            n *= size
+            n *= 1 if size == FLEXIBLE else size
         return n
+
+    def resolve(self, devices: int) -> MeshSpec:
+        """The spec with its flexible axis (size -1) sized to span ``devices``; a fixed spec as is.
+
+        Raises:
+          ValueError: ``devices`` is not a multiple of the fixed axes' product.
+        """
+        axis = self.flexible_axis
+        if axis is None:
+            return self
+        fixed = self.num_devices
+        if devices < fixed or devices % fixed:
+            raise ValueError(
+                f"mesh {self}: {devices} device(s) exist, which the fixed axes "
+                f"({fixed} devices) do not divide, so axis {axis!r} has no size; use a device "
+                f"count that is a multiple of {fixed}, or give {axis!r} a size")
+        return MeshSpec(axes=tuple((name, devices // fixed if size == FLEXIBLE else size)
+                                   for name, size in self.axes))
 
     def __str__(self) -> str:
         return ",".join(f"{name}={size}" for name, size in self.axes)
@@ -79,11 +104,13 @@ def parse_mesh_spec(spec: MeshSpecLike) -> MeshSpec:
         order is the axis order), or a ``MeshSpec``.
 
     Returns:
-      The ``MeshSpec``, axes in the order given.
+      The ``MeshSpec``, axes in the order given. One axis may have size -1
+      (``"batch=-1,model=2"``): ``build_mesh`` sizes it to span every device of the run, so the
+      same command runs on 8 or on 4 devices (an elastic restart on fewer clients).
 
     Raises:
       ValueError: the spec is empty, an item is not ``name=size``, a name is not an identifier, a
-        size is not a positive integer, or an axis appears twice.
+        size is not a positive integer (or -1, on one axis), or an axis appears twice.
     """
     if isinstance(spec, MeshSpec):
         return spec
@@ -128,10 +155,15 @@ def parse_mesh_spec(spec: MeshSpecLike) -> MeshSpec:
             raise ValueError(
                 f"mesh spec {text!r}: size of axis {name!r} is {str(size)!r}, not an integer; "
                 f"write e.g. '{name}=8'")
-        if size_int <= 0:
+        if size_int == FLEXIBLE and any(size == FLEXIBLE for _, size in axes):
+            raise ValueError(
+                f"mesh spec {text!r}: more than one axis has size -1; one axis at most takes the "
+                "devices that exist, e.g. 'batch=-1,model=2'")
+        if size_int <= 0 and size_int != FLEXIBLE:
             raise ValueError(
                 f"mesh spec {text!r}: axis {name!r} has size {size_int}; sizes must be positive "
-                "integers (use 1 for an axis you do not shard over)")
+                "integers (use 1 for an axis you do not shard over), or -1 for the one axis that "
+                "takes the devices that exist")
         if name in (a for a, _ in axes):
             raise ValueError(
                 f"mesh spec {text!r}: axis {name!r} appears twice; each axis name must be unique")
@@ -226,6 +258,17 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
             "every client must start within DTK_REGISTER_TIMEOUT_S seconds") from None
 
 
+def _devices_per_client(kind: str, virtual_devices: int | None) -> int:
+    """The devices each client has for a flexible mesh: its virtual CPUs (given, or configured
+    already), else the devices TensorFlow lists."""
+    if is_tensorflow_initialized():
+        return local_device_count(kind)
+    if kind == "CPU":  # listing logical devices would initialize TensorFlow (too early here)
+        return virtual_devices or len(tf.config.get_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0]) or [None])
+    return len(tf.config.list_physical_devices(kind))
+
+
 def _dtensor_initialized() -> bool:
     from tensorflow.dtensor.python import accelerator_util  # pylint: disable=g-import-not-at-top
     return accelerator_util.is_initialized()
@@ -243,7 +286,9 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     A mesh smaller than the devices available uses the first ones; ``describe_mesh`` says so.
 
     Args:
-      spec: ``"batch=8"``, ``"batch=4,model=2"``, an ordered mapping, or a ``MeshSpec``.
+      spec: ``"batch=8"``, ``"batch=4,model=2"``, an ordered mapping, or a ``MeshSpec``. One axis
+        of size -1 (``"batch=-1,model=2"``) spans the devices that exist: every client's (its
+        virtual CPUs on CPU) times the number of clients.
       device_type: ``auto`` (TPU > GPU > CPU), ``cpu``, ``gpu`` or ``tpu``.
       virtual_devices: on CPU, the number of logical CPU devices per client to create.
 
@@ -265,6 +310,8 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
             f"virtual_devices={virtual_devices} only applies to CPU meshes; device type is {kind}. "
             "Drop virtual_devices or use device_type='cpu'")
     clients = num_clients()
+    if mesh_spec.flexible_axis is not None:
+        mesh_spec = mesh_spec.resolve(clients * _devices_per_client(kind, virtual_devices))
     if mesh_spec.num_devices % clients:
         raise ValueError(
             f"mesh {mesh_spec} has {mesh_spec.num_devices} devices, which do not divide evenly over "

@@ -5,7 +5,7 @@ Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after 
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
 MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
-after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
+after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_MESH=spec (default batch=8); MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
 """
@@ -40,7 +40,7 @@ if os.environ.get("MC_SKEW_AUTO"):
     _trainer_lib._AutoSteps.observe = _skewed  # pylint: disable=protected-access
     _trainer_lib.AUTO_MIN_STEPS = 1  # calibrate even in this short run
 
-mesh = dtk.build_mesh("batch=8", device_type="cpu")
+mesh = dtk.build_mesh(os.environ.get("MC_MESH", "batch=8"), device_type="cpu")
 rng = np.random.default_rng(0)
 data = tf.data.Dataset.from_tensor_slices((rng.random((512, 28, 28, 1), dtype=np.float32),
                                            rng.integers(0, 10, 512).astype(np.int64)))

@@ -115,6 +115,24 @@ def test_restart_resumes_from_checkpoint(tmp_path, single_process, how):
     np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
 
 
+def test_elastic_restart_continues_on_fewer_clients(tmp_path, single_process):
+    """--min_clients 1 and a flexible mesh (batch=-1): client 1 dies after the epoch-1
+    checkpoint; the group restarts on the one client left (4 devices: batch=4), resumes that
+    checkpoint with the same global batch and data order, and ends with the numbers of the
+    uninterrupted 8-device process."""
+    out = tmp_path / "losses.json"
+    env = procs.base_env(MC_KILL_AT="12", MC_MARKER=str(tmp_path / "killed"), MC_MESH="batch=-1",
+                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out))
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--max_restarts", "1",
+                     "--min_clients", "1", "--", sys.executable, CLIENT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "elastic: the next attempt runs on 1 client(s) (--min_clients 1)" in res.stderr
+    assert "[client 1] DONE" not in res.stdout  # the second attempt had client 0 only
+    assert "resumed from: ckpt-8" in res.stdout, res.stdout[-3000:]
+    got = json.loads(out.read_text())
+    np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-5)
+
+
 def test_client_that_never_starts():
     res, took = _launch("--num_clients", "2", "--start_timeout", "10", "--", sys.executable,
                         CLIENT, env=procs.base_env(MC_NEVER_START="1"))
