@@ -58,12 +58,22 @@ def single_process(tmp_path_factory):
 
 def test_two_clients_match_one_process(tmp_path, single_process):
     """Also: steps_per_execution="auto" measures differently on the two clients (MC_SKEW_AUTO);
-    they stack alike (client 0's choice), or the collectives would not match and the run hang."""
+    they stack alike (client 0's choice), or the collectives would not match and the run hang.
+    The update is sharded across the clients by default. With TensorFlow's C++ log shown
+    (--verbose), the clean run's exit prints no error: no client talks to a coordination service
+    that is gone ("Failed to send RPC", "unhealthy")."""
     out = tmp_path / "losses.json"
-    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
-                     CLIENT, env=procs.base_env(MC_OUT=str(out), MC_SKEW_AUTO="1", MC_EPOCHS="5"))
+    res, _ = _launch("--verbose", "--num_clients", "2", "--devices_per_client", "4", "--",
+                     sys.executable, CLIENT,
+                     env=procs.base_env(MC_OUT=str(out), MC_SKEW_AUTO="1", MC_EPOCHS="5",
+                                        TF_CPP_MIN_LOG_LEVEL="0"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[client 0] DONE" in res.stdout and "[client 1] DONE" in res.stdout
+    assert res.stdout.count("sharded update: True") == 2
+    # The only C++ errors: TensorFlow's CUDA probe at load time on a machine without a GPU.
+    errors = [line for line in (res.stdout + res.stderr).splitlines()
+              if re.search(r"E0000|Failed to send RPC|unhealthy", line) and "cuInit" not in line]
+    assert not errors, errors[:5]
     got = json.loads(out.read_text())
     assert len(got["loss"]) == 5  # the choice is made in epoch 4 (after the probe's calls)
     np.testing.assert_allclose(got["loss"][:3], single_process["loss"], rtol=1e-6)

@@ -39,6 +39,7 @@ def test_parse_keeps_axis_order(spec, axes):
     ("batch=0", "has size 0"),
     ("batch=-2", "has size -2"),
     ("batch=4,batch=2", "appears twice"),
+    ("batch=-1,model=-1", "more than one axis has size -1"),
     ("batch=4,,model=2", "not of the form"),
     ("batch==4", "not of the form"),
     ({}, "empty"),
@@ -66,10 +67,14 @@ def test_parse_rejects_wrong_type():
     ("model=2,batch=4", [2, 4]),
     ("batch=1", [1]),
     ("batch=2,model=2", [2, 2]),
+    ("batch=-1", [8]),
+    ("batch=-1,model=2", [4, 2]),
+    ("model=4,batch=-1", [4, 2]),
 ])
 def test_build_mesh_shape_axes_devices(spec, shape):
+    """Fixed specs; a flexible axis (-1) spans the devices that exist."""
     mesh = dtk.build_mesh(spec, device_type="cpu")
-    parsed = dtk.parse_mesh_spec(spec)
+    parsed = dtk.parse_mesh_spec(spec).resolve(8)
     assert list(mesh.dim_names) == list(parsed.axis_names)
     assert [mesh.dim_size(n) for n in mesh.dim_names] == shape
     assert mesh.device_type() == "CPU"
@@ -101,11 +106,12 @@ def test_auto_device_type_is_cpu_here():
     ("batch=16", "needs 16 devices .* only 8 CPU device"),
     ("batch=4,model=4", "needs 16 devices"),
     ("batch=3,model=3", "needs 9 devices"),
+    ("batch=-1,model=3", "8 device\\(s\\) exist, which the fixed axes \\(3 devices\\) do not divide"),
 ])
 def test_too_many_devices(spec, words):
     with pytest.raises(ValueError, match=words) as err:
         dtk.build_mesh(spec, device_type="cpu")
-    assert "virtual_devices" in str(err.value)
+    assert "virtual_devices" in str(err.value) or "-1" in spec
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "", "CPUS"])
