@@ -19,6 +19,11 @@ JSON record of the loop's position (epoch, batch in epoch, history). It is a
   next older intact one and logs which one was broken and why. A directory that holds checkpoints
   none of which can be read is an error, never a silent fresh start. Every client reads the same
   files and so picks the same checkpoint.
+* Asynchronous (``asynchronous=True``, ``TrainerConfig(async_checkpoints=True)``): a save copies
+  each client's own shards of the state to host memory (no gather), and a background thread
+  writes them, in the same format, while training goes on. Only once its files are complete (at
+  the next save, or when training ends) is the checkpoint recorded as the latest, so an
+  interrupted asynchronous save is never resumed from. One save is in flight at a time.
 * Storage checked first: the directory is created and test-written when the ``Checkpointer`` is
   made (a path that is a file, a read-only directory, a full disk fail before any step), and a
   save that fails removes its partial files and keeps the previous checkpoint as the latest.
@@ -37,6 +42,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -48,6 +54,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
+from tensorflow.python.ops import gen_io_ops
 
 from dtk import cluster
 from dtk import layouts as layouts_lib
@@ -212,7 +219,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
                  metrics: Sequence[Any] = (), max_to_keep: int = 3,
-                 mesh: dtensor.Mesh | None = None, lock: bool = True):
+                 mesh: dtensor.Mesh | None = None, lock: bool = True,
+                 asynchronous: bool = False):
         if not directory:
             raise ValueError("checkpoint directory is empty; give a path")
         if max_to_keep < 1:
@@ -234,6 +242,8 @@ class Checkpointer:
         _ = self._checkpoint.save_counter  # created now, so every checkpoint holds it
         self.max_to_keep = max_to_keep
         self._paths = [p for p in self.candidates() if os.path.exists(p + ".index")][::-1]
+        self.asynchronous = asynchronous
+        self._pending: tuple[str, threading.Thread, list] | None = None
 
     @property
     def latest(self) -> str | None:
@@ -286,25 +296,93 @@ class Checkpointer:
         then does the ``checkpoint`` file, replaced atomically, name the new checkpoint. Older
         checkpoints beyond ``max_to_keep`` are deleted after that.
         """
+        self.wait()  # one save in flight at a time; the loop state below belongs to this one
         self._state.value = {**state, "run_id": self.run_id}
         target = os.path.join(self.directory, f"ckpt-{step}")
         if cluster.is_lead_client():
             self._check_no_other_writer()
         try:
             os.makedirs(self.directory, exist_ok=True)
+            if self.asynchronous:
+                self._start_async_write(target)
+                return target
             path = self._checkpoint.write(target)
             context.async_wait()
         except (OSError, tf.errors.OpError) as e:
-            _clear_async_error()
-            for partial in glob.glob(glob.escape(target) + "*"):
-                if os.path.isdir(partial):
-                    shutil.rmtree(partial, ignore_errors=True)
-                else:
-                    os.remove(partial)
-            raise CheckpointError(
-                f"saving checkpoint {target} failed: {first_line(e)}; its partial files were "
-                f"removed and {self._paths[-1] if self._paths else 'no earlier checkpoint'} stays "
-                "the latest. Free space or fix the directory, then re-run to resume") from e
+            self._failed(target, e)
+        return self._record(path)
+
+    def _failed(self, target: str, error: Exception) -> None:
+        _clear_async_error()
+        for partial in glob.glob(glob.escape(target) + "*"):
+            if os.path.isdir(partial):
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                os.remove(partial)
+        raise CheckpointError(
+            f"saving checkpoint {target} failed: {first_line(error)}; its partial files were "
+            f"removed and {self._paths[-1] if self._paths else 'no earlier checkpoint'} stays "
+            "the latest. Free space or fix the directory, then re-run to resume") from error
+
+    def _start_async_write(self, target: str) -> None:
+        """Copies this client's shards of the state to host memory, then writes them from a
+        thread while training goes on.
+
+        The thread runs no TensorFlow collective (those of a DTensor save would interleave with
+        the training step's and abort them): it writes the shards with ``SaveV2`` in the
+        checkpoint format DTensor itself writes (every shard a slice of the global tensor, each
+        written once), and client 0 merges every client's part into ``target``
+        (``MergeV2Checkpoints``) once each has said, through the coordination service, that its
+        part is written.
+        """
+        names, slices, values = _host_snapshot(self._checkpoint)
+        clients, me = cluster.num_clients(), cluster.client_id()
+        parts = [f"{target}_temp/part-{i:05d}-of-{clients:05d}" for i in range(clients)]
+        errors: list = []
+
+        def write() -> None:
+            try:
+                with tf.device("/cpu:0"):
+                    gen_io_ops.save_v2(parts[me], names, slices, values)
+                    if clients > 1:
+                        _posted(f"{target}/{me}")
+                    if me == 0:
+                        for other in range(1, clients):
+                            _wait_posted(f"{target}/{other}")
+                        gen_io_ops.merge_v2_checkpoints(parts, target, delete_old_dirs=True)
+            except Exception as e:  # pylint: disable=broad-except  (raised by wait())
+                errors.append(e)
+
+        thread = threading.Thread(target=write, name=f"dtk-save-{os.path.basename(target)}",
+                                  daemon=True)
+        thread.start()
+        self._pending = (target, thread, errors)
+
+    @property
+    def saving(self) -> bool:
+        """True while an asynchronous save is being written."""
+        return self._pending is not None and self._pending[1].is_alive()
+
+    def wait(self) -> str | None:
+        """Finishes the asynchronous save in flight, if any: waits for its files, then records
+        it as the latest checkpoint. Returns its path (None when no save was in flight).
+
+        Raises:
+          CheckpointError: the write failed (its partial files are removed, the previous
+            checkpoint stays the latest).
+        """
+        if self._pending is None:
+            return None
+        target, thread, errors = self._pending
+        self._pending = None
+        thread.join()
+        if errors:
+            self._failed(target, errors[0])
+        return self._record(target)
+
+    def _record(self, path: str) -> str:
+        """Records the written checkpoint ``path`` as the latest (client 0, once every client's
+        shards are written) and deletes the checkpoints beyond ``max_to_keep``."""
         if self._mesh is not None and cluster.num_clients() > 1:
             # Every client's shards are written before client 0 records the checkpoint.
             dtensor.barrier(self._mesh, "dtk-checkpoint", timeout_in_ms=600_000)
@@ -337,7 +415,14 @@ class Checkpointer:
                 "its own checkpoint directory")
 
     def close(self) -> None:
-        """Releases the directory's lock (otherwise held until the process exits)."""
+        """Finishes an asynchronous save in flight, then releases the directory's lock
+        (otherwise held until the process exits)."""
+        try:
+            self.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self._locked:
             self._locked = False
             unlock_directory(self.directory)
@@ -354,6 +439,7 @@ class Checkpointer:
             extra variables, other shapes), naming the checkpoint and what did not match.
           CheckpointError: the directory holds checkpoints but none can be read.
         """
+        self.wait()
         if path is not None:
             return self._restore_one(path)
         broken = []
@@ -419,6 +505,59 @@ class Checkpointer:
                 f"checkpoint {path} does not match this model: it holds {len(saved)} model weights "
                 f"of shapes {saved}, the model has {len(have)} of shapes {have}. It was written by "
                 "another model; use a new checkpoint directory or the model that wrote it")
+
+
+def _host_snapshot(checkpoint: tf.train.Checkpoint) -> tuple[list[str], list[str], list]:
+    """This client's part of ``checkpoint`` as host arrays: checkpoint keys, ``SaveV2`` slice
+    specs and values. A DTensor contributes each local shard that no other device holds too
+    (replicas are written once, by the device at index 0 of the axes it is not sharded over);
+    a plain tensor and the object graph are written by client 0."""
+    serialized = checkpoint._saver._gather_serialized_tensors(None)[0]  # pylint: disable=protected-access
+    names, slices, values = [], [], []
+    lead = cluster.is_lead_client()
+    for tensors in serialized.values():
+        for key, spec in tensors.items():
+            tensor = getattr(spec, "tensor", spec)
+            tensor = tensor() if callable(tensor) else tensor
+            layout = getattr(spec, "layout", None)
+            if isinstance(layout, str):
+                layout = dtensor.Layout.from_string(layout)
+            if layout is None and isinstance(tensor, tf.Tensor) and dtensor.is_dtensor(tensor):
+                layout = dtensor.fetch_layout(tensor)
+            if layout is None or layout.is_fully_replicated():
+                if layout is not None:
+                    tensor = dtensor.unpack(tensor)[0]
+                if lead:
+                    names.append(key)
+                    slices.append("")
+                    values.append(tensor.numpy())
+                continue
+            shape = [int(d) for d in tensor.shape]
+            sharded = {s for s in layout.sharding_specs if s != dtensor.UNSHARDED}
+            for location, shard in zip(layout.mesh.local_device_locations(),
+                                       dtensor.unpack(tensor)):
+                if any(location[axis] for axis in layout.mesh.dim_names if axis not in sharded):
+                    continue  # a replica: the device at index 0 of that axis writes it
+                spans = []
+                for dim, axis in enumerate(layout.sharding_specs):
+                    if axis == dtensor.UNSHARDED:
+                        spans.append("-")
+                    else:
+                        length = shape[dim] // layout.mesh.dim_size(axis)
+                        spans.append(f"{location[axis] * length},{length}")
+                names.append(key)
+                slices.append(" ".join(map(str, shape)) + " " + ":".join(spans))
+                values.append(shard.numpy())
+    return names, slices, values
+
+
+def _posted(key: str) -> None:
+    context.context().set_config_key_value(f"dtk/save/{key}", "done")
+
+
+def _wait_posted(key: str, timeout_s: float = 600.0) -> None:
+    context.context().get_config_key_value(f"dtk/save/{key}",
+                                           timeout_in_ms=int(timeout_s * 1000))
 
 
 def run_id_of(path: str) -> str | None:

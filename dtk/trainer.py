@@ -116,6 +116,10 @@ class TrainerConfig:
       gradient_accumulation_steps: split each batch into this many microbatches and make one
         update from their summed gradients (see ``dtk.StepConfig``); same numbers as one
         batch, less activation memory. Steps, checkpoints and ``max_steps`` count updates.
+      async_checkpoints: write checkpoints in the background: a save copies the state on the
+        devices (same layouts) and training goes on while a thread writes the copy; the
+        checkpoint becomes the latest only once complete (``dtk.checkpoint``). Costs one more
+        copy of the state in device memory.
     """
 
     seed: int = 0
@@ -135,6 +139,7 @@ class TrainerConfig:
     fsdp: bool = False
     remat: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
+    async_checkpoints: bool = False
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
@@ -157,6 +162,9 @@ class TrainerConfig:
         if isinstance(self.remat, str):
             raise ValueError(f"remat must be a tuple of layer-name patterns, e.g. "
                              f"(r'block\\d+_attn',); got the string {self.remat!r}")
+        if not isinstance(self.async_checkpoints, bool):
+            raise ValueError(f"async_checkpoints must be True or False; got "
+                             f"{self.async_checkpoints!r}")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"fsdp must be True or False; got {self.fsdp!r}")
         self.step_config()  # validates gradient_accumulation_steps and remat
@@ -284,7 +292,8 @@ class Trainer:
             self._checkpointer = ckpt_lib.Checkpointer(
                 config.checkpoint_dir, model=self.model, optimizer=self.optimizer,
                 metrics=[self.steps.loss_metric, *self.steps.metrics],
-                max_to_keep=config.max_to_keep, mesh=mesh)
+                max_to_keep=config.max_to_keep, mesh=mesh,
+                asynchronous=config.async_checkpoints)
 
     # -- training ---------------------------------------------------------------------------------
     @property
@@ -396,9 +405,13 @@ class Trainer:
             self.history.append(epoch, logs)
             self._save(epoch + 1, 0, steps_per_epoch)
             self._log_epoch(epoch, epochs, logs, writer)
+            if on_epoch_end and self._checkpointer is not None:
+                self._checkpointer.wait()  # callbacks (Ray's report) see this epoch's checkpoint
             for callback in on_epoch_end:
                 callback(epoch, logs)
             epoch += 1
+        if self._checkpointer is not None:
+            self._checkpointer.wait()  # the last asynchronous save is complete and recorded
         return self.history
 
     def _done(self) -> bool:

@@ -101,16 +101,19 @@ def test_killed_client_stops_the_group_fast():
     assert took < 90   # start-up (~10 s) + training to step 3 + teardown (< 15 s)
 
 
-@pytest.mark.parametrize("how", ["fsdp, killed mid-run", "sharded update, killed in a save"])
+@pytest.mark.parametrize("how", ["fsdp, killed mid-run", "sharded update, killed in a save",
+                                 "asynchronous save, killed in it"])
 def test_restart_resumes_from_checkpoint(tmp_path, single_process, how):
     """Killed, restarted and resumed, the run still matches one plain process: with FSDP
     (weights, gradients and Adam state sharded across the two clients), remat and gradient
     accumulation, client 1 killed mid-epoch; with the default update (sharded across the
     clients: shard_optimizer_state="auto"), client 1 killed inside the save of step 16, after
-    issuing its shards and before the save's barrier, so that checkpoint is never recorded."""
+    issuing its shards and before the save's barrier, so that checkpoint is never recorded; with
+    asynchronous saves, client 1 killed once its part of that save is written in the
+    background, before it says so (client 0 never merges it)."""
     out = tmp_path / "losses.json"
     kill = {"MC_KILL_AT": "12", "MC_MEMORY": "1"} if how.startswith("fsdp") else \
-        {"MC_KILL_IN_SAVE": "16"}
+        {"MC_KILL_IN_SAVE": "16", **({"MC_ASYNC": "1"} if how.startswith("asynchronous") else {})}
     env = procs.base_env(MC_MARKER=str(tmp_path / "killed"), MC_CKPT=str(tmp_path / "ckpt"),
                          MC_OUT=str(out), **kill)
     res, _ = _launch("--num_clients", "2", "--max_restarts", "1", "--", sys.executable, CLIENT,

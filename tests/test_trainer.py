@@ -232,6 +232,53 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_async_checkpoints_resume_exactly_across_meshes(tmp_path):
+    """Asynchronous saves (each device's shards copied to the host, written by a thread) hold
+    the same values as synchronous ones: written on batch=8 (sharded update) and on
+    batch=4,model=2 (weights sharded over model), resumed on the next mesh each time, the run
+    ends with the uninterrupted run's numbers; every checkpoint is recorded once complete."""
+    full = _trainer()
+    want = full.fit(_data(full.mesh), epochs=3).history
+    first = _trainer(checkpoint_dir=str(tmp_path), max_steps=8, async_checkpoints=True)
+    first.fit(_data(first.mesh), epochs=3)  # saves at 6 (epoch end, in the background) and 8
+    assert first._checkpointer.latest.endswith("ckpt-8") and not first._checkpointer.saving
+    second = _trainer("batch=4,model=2", "mlp_model_parallel", checkpoint_dir=str(tmp_path),
+                      max_steps=14, async_checkpoints=True)
+    second.fit(_data(second.mesh), epochs=3)
+    assert second._checkpointer.restored.endswith("ckpt-8")
+    assert second._checkpointer.latest.endswith("ckpt-14")
+    third = _trainer("batch=2,model=4", "mlp_model_parallel", checkpoint_dir=str(tmp_path))
+    got = third.fit(_data(third.mesh), epochs=3).history
+    assert third._checkpointer.restored.endswith("ckpt-14") and third.global_step == 18
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+    for a, b in zip(dtk.gather_weights(third.model), dtk.gather_weights(full.model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_failed_async_save_is_never_the_latest(tmp_path, monkeypatch):
+    """A background write that fails (the disk filled) is reported when training next waits on
+    it, its partial files are removed, and the previous checkpoint stays the latest."""
+    trainer = _trainer(checkpoint_dir=str(tmp_path), async_checkpoints=True)
+    trainer.fit(_data(trainer.mesh), epochs=1)
+    first = trainer._checkpointer.latest
+    from tensorflow.python.ops import gen_io_ops
+
+    def full_disk(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+
+    monkeypatch.setattr(gen_io_ops, "merge_v2_checkpoints", full_disk)
+    with pytest.raises(ckpt_lib.CheckpointError,
+                       match=r"saving checkpoint .*ckpt-12 failed: No space left on device; "
+                             r"its partial files were removed and .*ckpt-6 stays the latest"):
+        trainer.fit(_data(trainer.mesh), epochs=2)
+    monkeypatch.undo()
+    assert not glob.glob(str(tmp_path / "ckpt-12*"))
+    again = _trainer(checkpoint_dir=str(tmp_path))
+    assert again._checkpointer.latest == first
+    assert again._checkpointer.restore()["epoch"] == 1
+
+
 def test_export_round_trip(tmp_path):
     trainer = _trainer()
     trainer.fit(_data(trainer.mesh), epochs=1)
