@@ -88,6 +88,10 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
         "Gradient accumulation: split each batch into this many microbatches and make one "
         "update from their summed gradients (same numbers as one batch; it must divide the "
         "per-device batch).")),
+    "async_checkpoints": SharedFlag(kind="bool", default=True, help=(
+        "Write checkpoints in the background (the default): each save copies the state to host "
+        "memory and training goes on while a thread writes it; it becomes the latest "
+        "checkpoint only once complete. --noasync_checkpoints writes before the next step.")),
     "mixed_precision": SharedFlag(kind="bool", default=False, help=(
         "Compute in bfloat16 (mixed_bfloat16 policy; float32 outputs).")),
     "allow_replicated": SharedFlag(kind="bool", default=False, help=(
@@ -109,7 +113,8 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
 TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learning_rate",
                   "checkpoint_dir", "restart_from_scratch", "allow_change", "export_dir", "tensorboard_dir",
                   "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
-                  "mixed_precision", "allow_replicated", "fsdp", "remat", "grad_accum")
+                  "mixed_precision", "allow_replicated", "fsdp", "remat", "grad_accum",
+                  "async_checkpoints")
 # Output paths: every one is checked before training by ``check_output_path``.
 OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 OUTPUT_FILE_FLAGS = ("summary_json",)

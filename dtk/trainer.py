@@ -116,10 +116,12 @@ class TrainerConfig:
       gradient_accumulation_steps: split each batch into this many microbatches and make one
         update from their summed gradients (see ``dtk.StepConfig``); same numbers as one
         batch, less activation memory. Steps, checkpoints and ``max_steps`` count updates.
-      async_checkpoints: write checkpoints in the background: a save copies the state on the
-        devices (same layouts) and training goes on while a thread writes the copy; the
-        checkpoint becomes the latest only once complete (``dtk.checkpoint``). Costs one more
-        copy of the state in device memory.
+      async_checkpoints: write checkpoints in the background (the default): a save copies
+        each client's shards of the state to host memory and training goes on while a thread
+        writes them; the checkpoint becomes the latest only once complete (``dtk.checkpoint``).
+        Measured on the LM (dim 512, 4 blocks, 148 MiB per checkpoint, ``batch=8``): training
+        stalls 1.1 s per save instead of 3.6 s (``scripts/bench_checkpoint.py``). False writes
+        each checkpoint before the next step (no host copy of the state).
     """
 
     seed: int = 0
@@ -139,7 +141,7 @@ class TrainerConfig:
     fsdp: bool = False
     remat: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
-    async_checkpoints: bool = False
+    async_checkpoints: bool = True
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""

@@ -179,6 +179,7 @@ def run() -> dict:
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0,
                                  fsdp=FLAGS.fsdp, gradient_accumulation_steps=FLAGS.grad_accum,
+                                 async_checkpoints=FLAGS.async_checkpoints,
                                  remat=models.MODEL_SPECS["lm"].remat_patterns(FLAGS.remat)))
     say(layouts.explain(trainer.layout_plan).splitlines()[-1] +
         f"; per device: weights {memory['weights'] / 2**20:.2f} MiB + AdamW state "

@@ -181,6 +181,7 @@ def run() -> dict:
             restart_from_scratch=FLAGS.restart_from_scratch,
             allow_change=tuple(FLAGS.allow_change), fsdp=FLAGS.fsdp,
             gradient_accumulation_steps=FLAGS.grad_accum,
+            async_checkpoints=FLAGS.async_checkpoints,
             remat=model_spec.remat_patterns(FLAGS.remat),
             settings={"data_source": FLAGS.dataset, "augment": FLAGS.augment}))
     if lead:
