@@ -213,7 +213,9 @@ def run() -> dict:
         # A multi-client trial is one idle driver plus its workers: count the driver's CPU too.
         cpus = FLAGS.num_cpus or max(os.cpu_count() or 1,
                                      (FLAGS.workers + 1) * FLAGS.concurrent if FLAGS.workers > 1 else 1)
-        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1",
+        # address="local": always a new cluster of its own (a cluster another run left behind
+        # would be joined otherwise, and refuse num_cpus).
+        ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1",
                  include_dashboard=False, log_to_driver=False)
     try:
         config = {

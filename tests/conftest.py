@@ -73,6 +73,20 @@ _over_budget: list[tuple[str, float]] = []
 
 
 @pytest.hookimpl(tryfirst=True)
+def _join_group(item, name: str, config) -> None:
+    """Puts ``item`` in pytest-xdist group ``name`` (``--dist loadgroup``: one worker runs them).
+
+    pytest-xdist marks a group by appending ``@name`` to the test's id, through ``item._nodeid``,
+    which pytest 9 no longer reads (ids live in ``item._id``): its groups were silently ignored
+    and the process-starting tests ran on both workers at once. The suffix is set here too.
+    """
+    item.add_marker(pytest.mark.xdist_group(name))
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
+        if "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import coerce_node_id  # pylint: disable=g-import-not-at-top
+            item._id = coerce_node_id(f"{item.nodeid}@{name}")  # pylint: disable=protected-access
+
+
 def pytest_collection_modifyitems(config, items):
     """Groups the process-starting tests (see _starts_processes); skips or requires the tests
     marked ``full_mnist``, which need the real MNIST files beside the checkout.
@@ -80,11 +94,10 @@ def pytest_collection_modifyitems(config, items):
     In a user's fresh clone they skip with the reason; in CI (``DTK_REQUIRE_FULL_MNIST=1``) the
     files must be there, so a skip cannot hide a missing accuracy check.
     """
-    del config
     cache: dict = {}
     for item in items:
         if _starts_processes(item, cache):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+            _join_group(item, "processes", config)
 
     if (FULL_MNIST / "t10k-images-idx3-ubyte.gz").exists():
         return

@@ -49,7 +49,9 @@ DRIVER = TRAIN + textwrap.dedent("""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     import dtk.ray
     out = sys.argv[1]
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": a fresh cluster of this test's own, never one another run left behind.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
 
     def loop(config):
         # A restarted group gets a fresh directory, so the run can only resume from Ray's checkpoint.
