@@ -5,7 +5,7 @@ Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after 
 client 1 sleep instead of joining; MC_OUT=path writes client 0's per-epoch losses as JSON;
 MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir makes each client write client-<id>.json after its first step (pid, network
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
-after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_MESH=spec (default batch=8); MC_ASYNC=1 saves asynchronously; MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
+after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_MESH=spec (default batch=8); MC_ASYNC=1/0 saves asynchronously or not; MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
 """
@@ -78,8 +78,8 @@ if os.environ.get("MC_KILL_IN_SAVE") and client == 1 and not os.path.exists(os.e
         _posted(key)
     _posted = _checkpoint_lib._posted  # pylint: disable=protected-access
     _checkpoint_lib._posted = _post_or_die  # pylint: disable=protected-access
-if os.environ.get("MC_ASYNC"):  # MC_ASYNC=1: checkpoints written in the background
-    MEMORY["async_checkpoints"] = True
+if os.environ.get("MC_ASYNC"):  # MC_ASYNC=1/0: checkpoints written in the background or not
+    MEMORY["async_checkpoints"] = os.environ["MC_ASYNC"] == "1"
 if os.environ.get("MC_SHARD"):  # MC_SHARD=1/0: the sharded (ZeRO) update on/off, not "auto"
     MEMORY["shard_optimizer_state"] = os.environ["MC_SHARD"] == "1"
 # With dropout: 2 clients x 4 match one process, and a killed group resumes to the same numbers,
