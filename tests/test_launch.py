@@ -102,21 +102,19 @@ def test_killed_client_stops_the_group_fast():
 
 
 @pytest.mark.parametrize("how", [
-    "fsdp, killed mid-run", "asynchronous save, killed in it",
+    "asynchronous save, killed in it",
     # Synchronous saves are not the default: the release lane (pytest -m zoo), for the suite's
     # 12 minutes (this worker runs every process-starting test, one at a time).
     pytest.param("sharded update, killed in a save", marks=(pytest.mark.slow, pytest.mark.zoo))])
 def test_restart_resumes_from_checkpoint(tmp_path, single_process, how):
-    """Killed, restarted and resumed, the run still matches one plain process: with FSDP
-    (weights, gradients and Adam state sharded across the two clients), remat and gradient
-    accumulation, client 1 killed mid-epoch; with the default update (sharded across the
-    clients: shard_optimizer_state="auto"), client 1 killed inside the save of step 16, after
+    """Killed, restarted and resumed, the run still matches one plain process. With the
+    default update (sharded across the clients: shard_optimizer_state="auto") and synchronous
+    saves, client 1 killed inside the save of step 16, after
     issuing its shards and before the save's barrier, so that checkpoint is never recorded; with
     asynchronous saves, client 1 killed once its part of that save is written in the
     background, before it says so (client 0 never merges it)."""
     out = tmp_path / "losses.json"
-    kill = {"MC_KILL_AT": "12", "MC_MEMORY": "1"} if how.startswith("fsdp") else \
-        {"MC_KILL_IN_SAVE": "16", "MC_ASYNC": "1" if how.startswith("asynchronous") else "0"}
+    kill = {"MC_KILL_IN_SAVE": "16", "MC_ASYNC": "1" if how.startswith("asynchronous") else "0"}
     env = procs.base_env(MC_MARKER=str(tmp_path / "killed"), MC_CKPT=str(tmp_path / "ckpt"),
                          MC_OUT=str(out), **kill)
     res, _ = _launch("--num_clients", "2", "--max_restarts", "1", "--", sys.executable, CLIENT,
@@ -124,21 +122,24 @@ def test_restart_resumes_from_checkpoint(tmp_path, single_process, how):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "restarting the group (1 restart(s) left)" in res.stderr
     assert "Resumed from" not in res.stderr  # verbose=0; the losses tell
-    if "MC_KILL_IN_SAVE" in kill:
-        assert "client 1 kills itself while saving ckpt-16" in res.stdout
-        assert "sharded update: True resumed from: ckpt-8" in res.stdout, res.stdout[-3000:]
+    assert "client 1 kills itself while saving ckpt-16" in res.stdout
+    assert "sharded update: True resumed from: ckpt-8" in res.stdout, res.stdout[-3000:]
     got = json.loads(out.read_text())
     np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
 
 
-def test_elastic_restart_continues_on_fewer_clients(tmp_path, single_process):
-    """--min_clients 1 and a flexible mesh (batch=-1): client 1 dies after the epoch-1
-    checkpoint; the group restarts on the one client left (4 devices: batch=4), resumes that
-    checkpoint with the same global batch and data order, and ends with the numbers of the
-    uninterrupted 8-device process."""
+@pytest.mark.parametrize("memory", [False, True], ids=["sharded update", "fsdp, remat, accum"])
+def test_elastic_restart_continues_on_fewer_clients(tmp_path, single_process, memory):
+    """--min_clients 1 and a flexible mesh (batch=-1): client 1 dies mid-epoch, after the
+    epoch-1 checkpoint; the group restarts on the one client left (4 devices: batch=4), resumes
+    that checkpoint with the same global batch and data order, and ends with the numbers of the
+    uninterrupted 8-device process. With the default update (sharded across the clients), and
+    with FSDP (weights, gradients and Adam state sharded across the two clients, then over the
+    one client's 4 devices), remat and gradient accumulation."""
     out = tmp_path / "losses.json"
     env = procs.base_env(MC_KILL_AT="12", MC_MARKER=str(tmp_path / "killed"), MC_MESH="batch=-1",
-                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out))
+                         MC_CKPT=str(tmp_path / "ckpt"), MC_OUT=str(out),
+                         **({"MC_MEMORY": "1"} if memory else {}))
     res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--max_restarts", "1",
                      "--min_clients", "1", "--", sys.executable, CLIENT, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -312,6 +313,8 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):
             proc.kill()
 
 
+@pytest.mark.slow
+@pytest.mark.zoo  # 25 s; every run refuses a second run by the lock: test_trainer, test_train_mnist
 def test_second_group_on_a_checkpoint_directory_is_refused(tmp_path):
     """Two 2-client groups on one checkpoint directory: the second one's lead client finds the
     first one's lock and the whole second group stops before training, naming the holder."""

@@ -95,6 +95,7 @@ def ray_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.zoo  # 60-120 s of Ray start-ups: the release lane, for the suite's 12 minutes
 def test_two_ray_train_workers_match_one_process_and_restart_after_a_kill(ray_runs):
     out = ray_runs["out"]
     assert (out / "killed").exists(), "client 1 was never killed"
