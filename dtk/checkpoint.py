@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import tensorflow as tf
@@ -312,7 +312,8 @@ class Checkpointer:
             self._failed(target, e)
         return self._record(path)
 
-    def _failed(self, target: str, error: Exception) -> None:
+    def _failed(self, target: str, error: Exception) -> NoReturn:
+        """Removes a failed save's partial files and raises, naming the cause."""
         _clear_async_error()
         for partial in glob.glob(glob.escape(target) + "*"):
             if os.path.isdir(partial):
@@ -552,12 +553,16 @@ def _host_snapshot(checkpoint: tf.train.Checkpoint) -> tuple[list[str], list[str
 
 
 def _posted(key: str) -> None:
+    """Tells client 0, through the coordination service, that this client's part is written."""
     context.context().set_config_key_value(f"dtk/save/{key}", "done")
 
 
 def _wait_posted(key: str, timeout_s: float = 600.0) -> None:
-    context.context().get_config_key_value(f"dtk/save/{key}",
-                                           timeout_in_ms=int(timeout_s * 1000))
+    """Waits for another client's ``_posted(key)``, then removes the key (client 0 alone reads
+    it), so the coordination service does not keep one key per save."""
+    ctx = context.context()
+    ctx.get_config_key_value(f"dtk/save/{key}", timeout_in_ms=int(timeout_s * 1000))
+    ctx.delete_config_key_value(f"dtk/save/{key}")
 
 
 def run_id_of(path: str) -> str | None:

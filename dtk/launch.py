@@ -354,14 +354,15 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, handler)
-    group = [config]
+    group = config  # an elastic restart runs a smaller group
 
     def attempt() -> int:
-        code = run_group(command, group[0], out=out)
-        size = group[0].num_clients
+        nonlocal group
+        code = run_group(command, group, out=out)
+        size = group.num_clients
         if code != 0 and _Stop.signum is None and config.min_clients is not None and \
                 size > config.min_clients:
-            group[0] = dataclasses.replace(group[0], num_clients=size - 1)
+            group = dataclasses.replace(group, num_clients=size - 1)
             print(f"dtk.launch: elastic: the next attempt runs on {size - 1} client(s) "
                   f"(--min_clients {config.min_clients})", file=sys.stderr, flush=True)
         return code

@@ -10,7 +10,8 @@ import pytest
 from tests import procs
 
 ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk[ray]'")
-dtk_ray = pytest.importorskip("dtk.ray")
+dtk_ray = pytest.importorskip(
+    "dtk.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
 
 # One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""
