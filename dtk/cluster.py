@@ -300,6 +300,13 @@ def _leave_group(status: int, wait_s: float) -> None:
         return
     try:
         if not is_lead_client():
+            # Once posted, the lead may leave and take the coordination service with it; this
+            # process's TensorFlow threads may then log the lost service (a race of microseconds
+            # before ``os._exit``). Everything of this run is already written and flushed, so what
+            # is left to print is noise that reads as a crash: silence it first.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
             ctx.set_config_key_value(f"dtk/exit/{client_id()}", str(status))
             return
         for other in range(1, num_clients()):
