@@ -73,9 +73,10 @@ LAYOUTS_DIR = "DTK_LAYOUTS_DIR"                # extra directory of user layout 
 OFFLINE = "DTK_OFFLINE"                        # 1: never try the network (TFDS)
 BLAMED_FILE = "DTK_BLAME_FILE"                 # a client writes here which client it lost
 GRAPPLER = "DTK_GRAPPLER"                      # 1: keep Grappler's meta optimizer on CPU meshes
+PLAN_CACHE = "DTK_PLAN_CACHE"                  # the planner's calibration file (dtk.planner)
 
 DTK_VARIABLES = (VIRTUAL_DEVICES, READY_FILE, REGISTER_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, PORT_BASE,
-                 LAYOUTS_DIR, OFFLINE, BLAMED_FILE, GRAPPLER)
+                 LAYOUTS_DIR, OFFLINE, BLAMED_FILE, GRAPPLER, PLAN_CACHE)
 
 
 def get_str(name: str) -> str | None:

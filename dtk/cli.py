@@ -39,7 +39,10 @@ class SharedFlag:
 SHARED_FLAGS: dict[str, SharedFlag] = {
     "mesh": SharedFlag(kind="string", default="batch=8", help=(
         "Mesh spec: axis=size pairs in order, e.g. batch=8 or batch=4,model=2 (the 'batch' axis "
-        "shards the data; 'model' shards weights as the layout table says).")),
+        "shards the data; 'model' shards weights as the layout table says; batch=-1 takes every "
+        "device), or 'auto': the planner (dtk.plan) chooses the mesh, FSDP, remat and "
+        "--grad_accum from --device_memory_gb and a cost model measured on this machine "
+        "(--explain_plan shows why).")),
     "device": SharedFlag(kind="enum", default="auto", enum_values=("auto", "cpu", "gpu", "tpu"),
                          help="Device type (auto: TPU > GPU > CPU)."),
     "virtual_devices": SharedFlag(kind="integer", default=None, help=(
@@ -69,6 +72,9 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
         "Write a JSON summary of the run to this path (checked before training).")),
     "explain_layouts": SharedFlag(kind="bool", default=False, help=(
         "Print where every weight lives and what it costs per device, then exit.")),
+    "explain_plan": SharedFlag(kind="bool", default=False, help=(
+        "Print the planner's candidates (mesh x FSDP x remat x microbatches): memory per "
+        "device, predicted ms/step, chosen or why not; then exit.")),
     "device_memory_gb": SharedFlag(kind="float", default=None, help=(
         "Per-device memory budget in GiB for weights + optimizer state, checked before any "
         "variable exists.")),
@@ -114,7 +120,7 @@ TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learni
                   "checkpoint_dir", "restart_from_scratch", "allow_change", "export_dir", "tensorboard_dir",
                   "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
                   "mixed_precision", "allow_replicated", "fsdp", "remat", "grad_accum",
-                  "async_checkpoints")
+                  "async_checkpoints", "explain_plan")
 # Output paths: every one is checked before training by ``check_output_path``.
 OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 OUTPUT_FILE_FLAGS = ("summary_json",)
@@ -168,6 +174,46 @@ def check_shared_flags(values: Callable[[str], Any]) -> None:
     for name in OUTPUT_FILE_FLAGS:
         if values(name):
             check_output_path(name, values(name), kind="file")
+
+
+# -- the planner ----------------------------------------------------------------------------------
+AUTO_MESH = "auto"
+DEFAULT_CPU_DEVICES = 8  # --mesh auto on CPU without --virtual_devices: as the default batch=8
+
+
+def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input_dtype: str,
+                    num_classes: int, table, remat_patterns, optimizer: str,
+                    global_batch_size: int):
+    """Runs the planner for ``--mesh auto`` / ``--explain_plan`` over every device this run has.
+
+    Returns the ``dtk.planner.Plan``. ``--fsdp``, ``--remat`` and ``--grad_accum`` are the
+    planner's to choose under ``--mesh auto``: given too, they are a usage error.
+
+    Raises:
+      UsageError: conflicting flags, or no plan fits (the planner's arithmetic and fix).
+    """
+    from dtk import mesh as mesh_lib, planner  # pylint: disable=g-import-not-at-top
+    if values("mesh") == AUTO_MESH:
+        given = [f"--{n}" for n, chosen in (("fsdp", bool(values("fsdp"))),
+                                             ("remat", bool(values("remat"))),
+                                             ("grad_accum", (values("grad_accum") or 1) != 1))
+                 if chosen]
+        if given:
+            raise UsageError(f"--mesh auto chooses {', '.join(given)} itself; drop "
+                             f"{'them' if len(given) > 1 else 'it'}, or give a mesh")
+    kind = mesh_lib.resolve_device_type(values("device") or "auto")
+    virtual = values("virtual_devices")
+    if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:
+        virtual = DEFAULT_CPU_DEVICES
+    devices = mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
+    try:
+        return planner.plan(factory, devices=devices, global_batch_size=global_batch_size,
+                            device_memory_gb=values("device_memory_gb"), table=table,
+                            input_shape=input_shape, input_dtype=input_dtype,
+                            num_classes=num_classes, optimizer=optimizer,
+                            remat_patterns=remat_patterns, device_type=kind)
+    except planner.PlanError as e:
+        raise UsageError(f"--mesh auto: {e}") from None
 
 
 # -- output paths ---------------------------------------------------------------------------------

@@ -96,13 +96,35 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
 
 def _setup():
     """Every check before training: flags, the mesh, the table, the plan and the memory budget.
-    Returns (spec, mesh, table, factory, plan, memory); raises UsageError/ValueError."""
+    Returns (spec, mesh, table, factory, plan, memory, the planner's plan under --mesh auto or
+    --explain_plan, else None); raises UsageError/ValueError."""
     import functools  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
     _check_flags()
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
 
+    factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
+                                dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
+                                dropout=FLAGS.dropout)
+    auto_plan = None
+    if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
+        try:
+            table = layouts.load_table(FLAGS.layout)
+        except ValueError as e:
+            raise UsageError(f"--layout: {e}") from None
+        auto_plan = cli.plan_from_flags(
+            lambda name: getattr(FLAGS, name, None), factory, input_shape=(FLAGS.seq_len,),
+            input_dtype="int32", num_classes=text.VOCAB, table=table,
+            remat_patterns=models.MODEL_SPECS["lm"].remat, optimizer="adamw",
+            global_batch_size=FLAGS.global_batch_size)
+        if FLAGS.explain_plan:
+            return None, None, table, factory, None, None, auto_plan
+        chosen = auto_plan.chosen.config
+        FLAGS.mesh = chosen["mesh"]
+        FLAGS.fsdp = chosen["fsdp"]
+        FLAGS.remat = ["blocks"] if chosen["remat"] else []
+        FLAGS.grad_accum = chosen["gradient_accumulation_steps"]
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
         if dtk.BATCH_AXIS not in spec.axis_names:
@@ -118,9 +140,6 @@ def _setup():
         raise UsageError(f"--layout: {e}") from None
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
-                                dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
-                                dropout=FLAGS.dropout)
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
@@ -131,16 +150,21 @@ def _setup():
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
                                     shard_optimizer_state=shard)
-    return spec, mesh, table, factory, plan, memory
+    return spec, mesh, table, factory, plan, memory, auto_plan
 
 
 def run() -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
-    spec, mesh, table, factory, plan, memory = _setup()
+    spec, mesh, table, factory, plan, memory, auto_plan = _setup()
     lead = dtk.cluster.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
+    if FLAGS.explain_plan:
+        say(auto_plan.explain(), flush=True)
+        return {}
+    if auto_plan is not None:
+        say(auto_plan.explain().splitlines()[-1], flush=True)
     say(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
@@ -217,6 +241,9 @@ def run() -> dict:
         "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
         "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,
+        "auto_plan": auto_plan and {"chosen": auto_plan.chosen.label,
+                                    "predicted_ms_per_step": auto_plan.chosen.predicted_ms,
+                                    "bytes_per_device": auto_plan.chosen.memory},
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
         "train_loss": history.history.get("loss", []),

@@ -45,7 +45,7 @@ def _check_flags(dtk) -> tuple:
     """Validates what can be checked before TensorFlow starts; returns (mesh spec, layout table)."""
     from dtk import layouts, models, optimizers  # pylint: disable=g-import-not-at-top
     try:
-        spec = dtk.parse_mesh_spec(FLAGS.mesh)
+        spec = None if FLAGS.mesh == cli.AUTO_MESH else dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
     for name in ("epochs", "global_batch_size"):
@@ -56,11 +56,11 @@ def _check_flags(dtk) -> tuple:
         raise UsageError(f"--steps_per_execution must be auto or a positive integer; got {spe}")
     if FLAGS.max_steps is not None and FLAGS.max_steps < 1:
         raise UsageError(f"--max_steps must be a positive integer; got {FLAGS.max_steps}")
-    if dtk.BATCH_AXIS not in spec.axis_names:
+    if spec is not None and dtk.BATCH_AXIS not in spec.axis_names:
         raise UsageError(f"--mesh {spec} has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
                     f"inputs are sharded on; add one, e.g. --mesh {dtk.BATCH_AXIS}=1,{spec}")
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
-    batch_size = dict(spec.axes).get(dtk.BATCH_AXIS, 1)
+    batch_size = dict(spec.axes).get(dtk.BATCH_AXIS, 1) if spec is not None else 1
     if FLAGS.global_batch_size % batch_size:
         raise UsageError(f"--global_batch_size {FLAGS.global_batch_size} is not divisible by mesh axis "
                     f"'{dtk.BATCH_AXIS}' (size {batch_size}); use a multiple of {batch_size}")
@@ -82,8 +82,28 @@ def _check_flags(dtk) -> tuple:
         table = layouts.load_table(FLAGS.layout or models.MODEL_SPECS[FLAGS.model].layout)
     except ValueError as e:
         raise UsageError(f"--layout: {e}") from None
-    _check_cores(spec)
+    if spec is not None:
+        _check_cores(spec)
     return spec, table
+
+
+def _plan(dtk, table):
+    """``--mesh auto`` / ``--explain_plan``: the planner's choice, applied to the flags."""
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    model_spec = models.MODEL_SPECS[FLAGS.model]
+    plan = cli.plan_from_flags(
+        lambda name: getattr(FLAGS, name, None), model_spec.factory,
+        input_shape=model_spec.input_shape, input_dtype="float32",
+        num_classes=model_spec.num_classes, table=table, remat_patterns=model_spec.remat,
+        optimizer=(FLAGS.optimizer or model_spec.optimizer).lower(),
+        global_batch_size=FLAGS.global_batch_size)
+    if FLAGS.mesh == cli.AUTO_MESH:
+        chosen = plan.chosen.config
+        FLAGS.mesh = chosen["mesh"]
+        FLAGS.fsdp = chosen["fsdp"]
+        FLAGS.remat = ["blocks"] if chosen["remat"] else []
+        FLAGS.grad_accum = chosen["gradient_accumulation_steps"]
+    return plan, dtk.parse_mesh_spec(FLAGS.mesh)
 
 
 def _check_cores(spec) -> None:
@@ -125,6 +145,13 @@ def run() -> dict:
     from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk import layouts, mnist, models, optimizers  # pylint: disable=g-import-not-at-top
 
+    auto_plan = None
+    if spec is None or FLAGS.explain_plan:
+        auto_plan, spec = _plan(dtk, table)
+        if FLAGS.explain_plan:
+            if dtk.cluster.is_lead_client():
+                print(auto_plan.explain(), flush=True)
+            return {}
     try:
         mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
                               virtual_devices=FLAGS.virtual_devices)
@@ -132,6 +159,8 @@ def run() -> dict:
         raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
     lead = dtk.cluster.is_lead_client()
     if lead:
+        if auto_plan is not None:
+            print(auto_plan.explain().splitlines()[-1], flush=True)
         print(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -197,6 +226,9 @@ def run() -> dict:
     timing = trainer.timing
     cli.keep_until_exit(train, test)  # no time spent tearing them down
     return {
+        "auto_plan": auto_plan and {"chosen": auto_plan.chosen.label,
+                                    "predicted_ms_per_step": auto_plan.chosen.predicted_ms,
+                                    "bytes_per_device": auto_plan.chosen.memory},
         "mesh": str(spec), "device_type": mesh.device_type(),
         "num_clients": dtk.cluster.num_clients(), "model": FLAGS.model, "layout": table.name,
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,

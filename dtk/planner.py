@@ -1,0 +1,756 @@
+"""The plan chosen for the user: mesh, update, remat and microbatches from a memory budget.
+
+``plan(model_factory, devices=8, global_batch_size=32, device_memory_gb=...)`` considers every
+candidate: each factorization of the device count into the layout table's axes (``batch`` x
+``model``), times the memory options (the sharded "ZeRO" update or FSDP, remat of the model's
+blocks or not), each with the fewest microbatches whose activations fit. For each it gives
+
+- **memory per device, from the layout plan** (``dtk.layouts.plan_weights`` on that mesh, so a
+  table that cannot shard a weight on it drops the candidate with the table's own error):
+  weights and optimizer state as stored, gradients in the compute layout, the weights FSDP
+  gathers, and activations. Activations are the one estimate: the sum of every leaf layer's
+  output for one example (measured by one call on one example), times the rows a device holds at
+  once, divided by the model axis for layers whose kernels the table shards on their output dim.
+  Remat keeps a block's input and recomputes the rest, so only the largest block's internals
+  are live at once.
+- **predicted ms per step, from a cost model calibrated on this machine**:
+
+      step = a + e * B * (1 + r * remat)                 the model's step on batch=D, measured
+           + sum over model-axis collectives            row-parallel outputs (forward all-reduce),
+             (count x (alpha_m + bytes / beta_m))        column-parallel inputs (backward
+                                                          all-reduce), sharded features (gather)
+           + FSDP: the extra gathers of remat            (the forward gathers replace ZeRO's
+                                                          gathers after the update)
+           + (k - 1) x (the gradient reduction + one microbatch's overhead)
+
+  ``a`` (the per-call overhead: dispatch, the gradient reduction and update) and ``e`` (compute
+  per example) come from timing the model's own step at two small batches on the ``batch=D``
+  mesh, ``r`` from one more small step with remat; ``alpha`` and ``beta`` per axis size from
+  timed gathers at two sizes. The machine's figures are cached in a JSON file keyed by device
+  kind and count (``$DTK_PLAN_CACHE``, default ``~/.cache/dtk/plan.json``), the model's by a
+  signature of its weights, batch and table, so a later run measures nothing.
+
+The fastest candidate that fits is chosen; ``explain_plan`` prints every candidate with its
+memory, its prediction and why it was not chosen. When none fits, ``PlanError`` (a ValueError)
+gives the smallest shortfall and what would make it fit. Every client computes the same plan
+from the same measurements: in a multi-client run client 0's calibration is broadcast (see
+``_agree``), as ``steps_per_execution="auto"`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dtk import _env
+
+_log = logging.getLogger("dtk")
+
+MIB = 1024 * 1024
+UPDATES = ("zero", "fsdp")
+
+
+# -- what is measured -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MachineCalibration:
+    """Timed gathers on this machine, per model-axis size: ``size -> (ms per call, ms per MiB)``.
+
+    A gather's size is what each device holds after it; an all-reduce costs two gathers
+    (reduce-scatter + gather) of its size.
+    """
+
+    device_kind: str
+    devices: int
+    gather: dict[int, tuple[float, float]]
+
+    def gather_ms(self, axis_size: int, nbytes: float) -> float:
+        if axis_size <= 1:
+            return 0.0
+        alpha, per_mib = self.gather[axis_size]
+        return alpha + per_mib * nbytes / MIB
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCalibration:
+    """The model's own step on the ``batch=D`` mesh: ``a + e * B`` ms; remat adds ``remat_share``
+    of it (it replays the forward pass: its dispatch and its compute)."""
+
+    a_ms: float
+    e_ms: float
+    remat_share: float
+    batch_sizes: tuple[int, ...]
+    measured_ms: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One leaf layer on one example: elements in and out, and the weights it owns."""
+
+    name: str
+    in_elements: int
+    out_elements: int
+    itemsize: int
+    weights: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """What the planner needs to know of a model, read from one plain call on one example."""
+
+    weights: tuple[tuple[str, tuple[int, ...], str], ...]
+    layers: tuple[LayerProfile, ...]
+
+    @property
+    def signature(self) -> str:
+        text = json.dumps([[p, list(s), d] for p, s, d in self.weights])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# -- candidates -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One way to run the model, with its memory per device (bytes) and predicted ms per step."""
+
+    mesh: str
+    update: str  # "zero" (the sharded update; replicated where batch=1) or "fsdp"
+    remat: bool
+    microbatches: int
+    memory: dict[str, int]
+    budget: int | None
+    predicted_ms: float | None
+    rejected: str | None = None  # why it cannot run at all (the table, the batch)
+
+    @property
+    def fits(self) -> bool:
+        return self.rejected is None and (self.budget is None or self.memory["total"] <= self.budget)
+
+    @property
+    def label(self) -> str:
+        parts = [self.mesh, self.update]
+        if self.remat:
+            parts.append("remat")
+        if self.microbatches > 1:
+            parts.append(f"microbatches={self.microbatches}")
+        return " ".join(parts)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """What the Trainer and the scripts take: mesh, fsdp, remat, grad accumulation."""
+        return {"mesh": self.mesh, "fsdp": self.update == "fsdp", "remat": self.remat,
+                "gradient_accumulation_steps": self.microbatches}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The chosen candidate, every candidate considered, and the figures behind the choice."""
+
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    machine: MachineCalibration
+    step: StepCalibration
+    global_batch_size: int
+    table: str
+
+    def explain(self) -> str:
+        return explain_plan(self)
+
+
+class PlanError(ValueError):
+    """No candidate fits: the message has the smallest shortfall and what would make it fit."""
+
+
+# -- profiling a model ------------------------------------------------------------------------------
+def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int], *,
+                  input_dtype: str = "float32") -> ModelProfile:
+    """Reads the weights and every leaf layer's sizes from one plain call on one example.
+
+    The plain build holds the model once on this host (the planner runs before any mesh).
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    model = layouts._check_factory_result(model_factory())  # pylint: disable=protected-access
+    example = tf.zeros([1, *(int(d) for d in input_shape)], input_dtype)
+    if not model.built:
+        model(example)
+    paths = layouts.weight_paths(model)
+    by_id = {id(v): p for p, v in paths}
+    records: dict[int, LayerProfile] = {}
+
+    def elements(value) -> int:
+        return sum(int(t.shape.num_elements() or 0) for t in tf.nest.flatten(value)
+                   if isinstance(t, tf.Tensor))
+
+    originals = []
+
+    def leaves(layer, prefix):
+        children = list(layer._flatten_layers(include_self=False, recursive=False))  # pylint: disable=protected-access
+        if not children:
+            yield layer, prefix + layer.name
+        for child in children:
+            yield from leaves(child, prefix + layer.name + "/")
+
+    for top in model._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
+        for layer, name in leaves(top, ""):
+            original = layer.call
+
+            def call(*args, __layer=layer, __name=name, __call=original, **kwargs):
+                out = __call(*args, **kwargs)
+                outs = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+                records[id(__layer)] = LayerProfile(
+                    name=__name, in_elements=elements(args[:1]), out_elements=elements(out),
+                    itemsize=outs[0].dtype.size if outs else 4,
+                    weights=tuple(by_id[id(w)] for w in __layer.weights if id(w) in by_id))
+                return out
+            layer.call = call
+            originals.append(layer)
+    try:
+        model(example, training=True)
+    finally:
+        for layer in originals:
+            del layer.call
+    weights = tuple((p, tuple(int(s) for s in v.shape), v.dtype.name) for p, v in paths)
+    return ModelProfile(weights=weights, layers=tuple(records.values()))
+
+
+# -- memory -----------------------------------------------------------------------------------------
+class _Axes:
+    """The axes of a mesh that need not exist: all that planning layouts reads of a mesh."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.dim_names = list(sizes)
+        self._sizes = sizes
+
+    def dim_size(self, name: str) -> int:
+        return self._sizes[name]
+
+
+def _kernel(layer: LayerProfile) -> str | None:
+    return next((p for p in layer.weights if p.endswith(("kernel", "embeddings"))), None)
+
+
+def _column_axis(dims: Sequence[str | None] | None) -> str | None:
+    """The axis sharding a kernel's output features (last dim; heads of a ``[dim, heads, d]``
+    projection), or None: such a layer's output is split over that axis."""
+    if not dims or len(dims) < 2:
+        return None
+    if dims[-1]:
+        return dims[-1]
+    return dims[1] if len(dims) == 3 and dims[0] is None else None
+
+
+def _layer_split(layer: LayerProfile, dims_of: dict[str, tuple], sizes: dict[str, int]) -> int:
+    """How many ways the layer's output is split (a column-parallel kernel)."""
+    kernel = _kernel(layer)
+    axis = _column_axis(dims_of.get(kernel)) if kernel else None
+    return sizes.get(axis, 1) if axis else 1
+
+
+def _block(layer: LayerProfile, remat: Sequence[str]) -> str | None:
+    """The outermost layer on ``layer``'s path that a remat pattern names (as ``dtk.remat``)."""
+    parts = layer.name.split("/")
+    for i in range(len(parts)):
+        if any(re.fullmatch(p, parts[i]) for p in remat):
+            return "/".join(parts[:i + 1])
+    return None
+
+
+def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str]) -> int:
+    """Bytes per example live for the backward pass (see the module docstring)."""
+    kept, blocks, seen = 0, {}, set()
+    for layer in profile.layers:
+        nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes)
+        block = _block(layer, remat) if remat else None
+        if block is None:
+            kept += nbytes
+            continue
+        # recomputed: only the block's input is kept; its internals live one block at a time
+        if block not in seen:
+            seen.add(block)
+            kept += layer.in_elements * layer.itemsize
+        blocks[block] = blocks.get(block, 0) + nbytes
+    return kept + max(blocks.values(), default=0)
+
+
+def _remat_weights(profile: ModelProfile, remat: Sequence[str]) -> dict[str, str]:
+    """weight path -> the remat block that owns it."""
+    return {p: block for layer in profile.layers if (block := _block(layer, remat))
+            for p in layer.weights}
+
+
+def candidate_memory(profile: ModelProfile, plan, *, update: str, remat: Sequence[str],
+                     rows_per_device: int, optimizer_slots: int = 2) -> dict[str, int]:
+    """Bytes per device of a candidate: weights, optimizer state, gradients, gathered weights
+    and activations (``rows_per_device``: the rows one microbatch puts on a device)."""
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    sizes = dict(plan.mesh_axes)
+    zero = update == "zero" and sizes.get("batch", 1) > 1
+    stored = layouts.memory_per_device(plan, optimizer_slots=optimizer_slots,
+                                       shard_optimizer_state=zero)
+    compute_dims = {w.path: (w.compute_dims if w.compute_dims is not None else w.dims)
+                    for w in plan.weights}
+    gradients = sum(w.bytes_total // layouts._split(compute_dims[w.path], sizes)  # pylint: disable=protected-access
+                    for w in plan.weights)
+    gathered = stored["gathered_in_step"]
+    if remat and gathered:  # remat gathers a block's weights again and drops them with it
+        in_blocks = _remat_weights(profile, remat)
+        per_block: dict[str, int] = {}
+        outside = 0
+        for w in plan.weights:
+            if w.compute_dims is None:
+                continue
+            extra = w.bytes_total // layouts._split(w.compute_dims, sizes) - w.bytes_per_device  # pylint: disable=protected-access
+            if w.path in in_blocks:
+                block = in_blocks[w.path]
+                per_block[block] = per_block.get(block, 0) + extra
+            else:
+                outside += extra
+        gathered = outside + max(per_block.values(), default=0)
+    activations = rows_per_device * _activation_bytes(profile, compute_dims, sizes, remat)
+    memory = {"weights": stored["weights"], "optimizer": stored["optimizer"],
+              "gradients": gradients, "gathered": gathered, "activations": activations}
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+# -- time -------------------------------------------------------------------------------------------
+def _model_axis_ms(profile: ModelProfile, plan, machine: MachineCalibration, rows: int) -> float:
+    """The model axis's collectives per step (see the module docstring), in ms."""
+    sizes = dict(plan.mesh_axes)
+    m = sizes.get("model", 1)
+    if m <= 1:
+        return 0.0
+    dims_of = {w.path: (w.compute_dims if w.compute_dims is not None else w.dims)
+               for w in plan.weights}
+    total = 0.0
+    for layer in profile.layers:
+        kernel = _kernel(layer)
+        dims = dims_of.get(kernel) if kernel else None
+        if not dims or "model" not in dims:
+            continue
+        out_bytes = rows * layer.out_elements * layer.itemsize
+        in_bytes = rows * layer.in_elements * layer.itemsize
+        if kernel.endswith("embeddings"):  # features sharded: gathered after the lookup
+            total += machine.gather_ms(m, out_bytes)
+        elif _column_axis(dims) == "model":  # column parallel
+            total += 2 * machine.gather_ms(m, in_bytes)  # backward: the input's gradient
+        else:  # row parallel: the output is summed over the axis
+            total += 2 * machine.gather_ms(m, out_bytes)
+    return total
+
+
+def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: StepCalibration,
+               *, global_batch_size: int, update: str, remat: bool, microbatches: int,
+               remat_patterns: Sequence[str] = ()) -> float:
+    """Predicted ms per step of one candidate (the module docstring's formula)."""
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    sizes = dict(plan.mesh_axes)
+    b = sizes.get("batch", 1)
+    k = microbatches
+    rows = global_batch_size // b // k
+    ms = (step.a_ms + step.e_ms * global_batch_size) * (1 + (step.remat_share if remat else 0.0))
+    ms += k * _model_axis_ms(profile, plan, machine, rows)
+    if update == "fsdp":
+        # Each microbatch gathers the weights (again in the backward pass for remat's blocks);
+        # the sharded update gathers them once, after the update. On batch=D that is all
+        # (measured: FSDP as fast as the sharded update). With a model axis too, DTensor's
+        # gradient of the 2-D gather is not a reduce-scatter: about two more gathers per weight.
+        in_blocks = _remat_weights(profile, remat_patterns) if remat else {}
+        two_d = 2 if sizes.get("model", 1) > 1 else 0
+        for w in plan.weights:
+            if w.compute_dims is None:
+                continue
+            gathers = (k - 1) + k * (two_d + (1 if w.path in in_blocks else 0))
+            if gathers:
+                compute = w.bytes_total // layouts._split(w.compute_dims, sizes)  # pylint: disable=protected-access
+                ms += gathers * machine.gather_ms(b, compute)
+    if k > 1:  # DTensor reduces the gradients of every microbatch (dtk.steps): k - 1 more
+        grads = sum(w.bytes_total // layouts._split(  # pylint: disable=protected-access
+            w.compute_dims if w.compute_dims is not None else w.dims, sizes) for w in plan.weights)
+        ms += (k - 1) * 2 * machine.gather_ms(b, grads)
+    return ms
+
+
+# -- candidates -------------------------------------------------------------------------------------
+def factorizations(devices: int, axes: Sequence[str]) -> list[dict[str, int]]:
+    """Every way to write ``devices`` as a product over ``axes`` (``batch`` first)."""
+    if len(axes) == 1:
+        return [{axes[0]: devices}]
+    out = []
+    for n in range(devices, 0, -1):
+        if devices % n == 0:
+            out += [{axes[0]: n, **rest} for rest in factorizations(devices // n, axes[1:])]
+    return out
+
+
+def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_batch_size: int,
+                         budget_bytes: int | None, machine: MachineCalibration | None,
+                         step: StepCalibration | None, remat_patterns: Sequence[str] = (),
+                         optimizer_slots: int = 2) -> list[Candidate]:
+    """Every candidate with its memory and (given the calibrations) its predicted time."""
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    axes = ["batch"] + [a for a in table.axes if a != "batch"]
+    out = []
+    for sizes in factorizations(devices, axes):
+        mesh = ",".join(f"{a}={n}" for a, n in sizes.items()
+                        if a == "batch" or n > 1 or a not in table.optional_axes)
+        b = sizes["batch"]
+        for update in UPDATES:
+            for remat in ((False, True) if remat_patterns else (False,)):
+                base = {"mesh": mesh, "update": update, "remat": remat, "budget": budget_bytes}
+                if update == "fsdp" and b == 1:
+                    continue  # nothing to shard over: the same as "zero"
+                if global_batch_size % b:
+                    out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                         predicted_ms=None, rejected=(
+                        f"global batch {global_batch_size} is not divisible by batch={b}")))
+                    continue
+                try:
+                    plan = layouts.plan_weights(
+                        table, _Axes(sizes), profile.weights,
+                        fsdp_paths=[p for p, _, _ in profile.weights] if update == "fsdp" else ())
+                except ValueError as e:
+                    out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                         predicted_ms=None, rejected=str(e).split(";")[0]))
+                    continue
+                per_device = global_batch_size // b
+                patterns = remat_patterns if remat else ()
+                chosen = None
+                for k in [k for k in range(1, per_device + 1) if per_device % k == 0]:
+                    memory = candidate_memory(profile, plan, update=update, remat=patterns,
+                                              rows_per_device=per_device // k,
+                                              optimizer_slots=optimizer_slots)
+                    chosen = (k, memory)
+                    if budget_bytes is None or memory["total"] <= budget_bytes:
+                        break
+                k, memory = chosen
+                predicted = None if machine is None or step is None else predict_ms(
+                    profile, plan, machine, step, global_batch_size=global_batch_size,
+                    update=update, remat=remat, microbatches=k, remat_patterns=patterns)
+                out.append(Candidate(**base, microbatches=k, memory=memory,
+                                     predicted_ms=predicted))
+    return out
+
+
+def choose(candidates: Sequence[Candidate]) -> Candidate:
+    """The fastest candidate that fits (ties: less memory); ``PlanError`` when none fits."""
+    feasible = [c for c in candidates if c.fits]
+    if feasible:
+        # Ties (within 1%) go to the sharded update (dtk's default, fewer collectives), then to
+        # less memory.
+        fastest = min(c.predicted_ms or 0.0 for c in feasible)
+        near = [c for c in feasible if (c.predicted_ms or 0.0) <= fastest * 1.01]
+        return min(near, key=lambda c: (c.update == "fsdp", c.remat, c.memory["total"]))
+    runnable = [c for c in candidates if c.rejected is None]
+    if not runnable:
+        raise PlanError("no candidate can run: " + "; ".join(
+            f"{c.label}: {c.rejected}" for c in candidates[:4]))
+    best = min(runnable, key=lambda c: c.memory["total"])
+    memory, budget = best.memory, best.budget
+    parts = " + ".join(f"{k} {_mib(v)}" for k, v in memory.items() if k != "total" and v)
+    raise PlanError(
+        f"no plan fits the device memory budget of {_mib(budget)} per device: the smallest is "
+        f"{best.label} with {parts} = {_mib(memory['total'])}, {_mib(memory['total'] - budget)} "
+        f"over. To fit: more devices (its weights and state divide by the device count), a "
+        f"smaller global batch (activations are {_mib(memory['activations'])} of it), remat"
+        f"{'' if best.remat else ' (not possible: the model names no blocks)'}, or a budget of "
+        f"at least {_mib(memory['total'])}")
+
+
+def _mib(n: float | None) -> str:
+    return "none" if n is None else f"{n / MIB:.1f} MiB"
+
+
+# -- calibration ------------------------------------------------------------------------------------
+def cache_path() -> str:
+    return _env.get_str(_env.PLAN_CACHE) or os.path.join(
+        os.path.expanduser("~"), ".cache", "dtk", "plan.json")
+
+
+def _load_cache(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _cached(path: str, key: str, refresh: bool) -> dict | None:
+    """The cached entry, or None: measure. In a multi-client run, client 0's answer for every
+    client: the measurements run collectives, so all clients measure or none does."""
+    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    value = None if refresh else _load_cache(path).get(key)
+    if not cluster.is_multi_client():
+        return value
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    ctx = context.context()
+    name = "dtk/plan/cached/" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    if cluster.is_lead_client():
+        ctx.set_config_key_value(name, json.dumps(value))
+        return value
+    return json.loads(ctx.get_config_key_value(name, timeout_in_ms=600_000))
+
+
+def _store_cache(path: str, key: str, value: dict) -> None:
+    data = _load_cache(path)
+    data[key] = value
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: measure again next time
+        _log.info("plan: could not cache the calibration in %s (%s)", path, e)
+
+
+def calibrate_machine(device_type: str, devices: int, *, cache: str | None = None,
+                      refresh: bool = False) -> MachineCalibration:
+    """Times gathers over each axis size that divides ``devices`` (cached, see the module doc)."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
+    from dtk import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    path = cache or cache_path()
+    key = f"machine/{device_type}:{devices}"
+    cached = _cached(path, key, refresh)
+    if cached:
+        return MachineCalibration(device_kind=device_type, devices=devices,
+                                  gather={int(k): tuple(v) for k, v in cached["gather"].items()})
+    gather = {}
+    small, large = 4 * 1024, 4 * MIB  # bytes per device after the gather
+    for size in [n for n in range(2, devices + 1) if devices % n == 0]:
+        mesh = mesh_lib.build_mesh(f"batch={devices // size},model={size}", device_type=device_type)
+        points = []
+        for nbytes in (small, large):
+            rows = devices // size * 8
+            width = max(size, nbytes // 4 // 8 // size * size)
+            x = dtensor.call_with_layout(tf.ones, dtensor.Layout(["batch", "model"], mesh),
+                                         [rows, width])
+            target = dtensor.Layout(["batch", dtensor.UNSHARDED], mesh)
+
+            @tf.function
+            def gathered(x, target=target):
+                return tf.reduce_sum(dtensor.relayout(x, target))
+
+            @tf.function
+            def local(x):
+                return tf.reduce_sum(x)
+
+            with_gather, without = alternating_ms([lambda: float(gathered(x)),
+                                                   lambda: float(local(x))])
+            ms = with_gather - without
+            points.append((8 * width * 4, max(ms, 0.0)))
+        (b0, t0), (b1, t1) = points
+        per_mib = max((t1 - t0) / ((b1 - b0) / MIB), 0.0)
+        gather[size] = (max(t0, 0.0), per_mib)
+    _store_cache(path, key, {"gather": {str(k): list(v) for k, v in gather.items()}})
+    return MachineCalibration(device_kind=device_type, devices=devices, gather=gather)
+
+
+def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: str,
+                   devices: int, batch: int, input_shape: Sequence[int], input_dtype: str,
+                   loss: Any, optimizer: Any, remat_patterns: Sequence[str], num_classes: int,
+                   cache: str | None = None, refresh: bool = False) -> StepCalibration:
+    """Times the model's own step on ``batch=D`` at ``batch`` rows and at half of them (and at
+    ``batch`` with remat), the steps alternating call by call so that noise hits them alike.
+
+    ``batch`` is the global batch, or the microbatch that fits the budget on ``batch=D``: the
+    prediction for the likeliest plans is then a measurement, not an extrapolation.
+    """
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib, layouts, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    path = cache or cache_path()
+    key = (f"step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
+           f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}")
+    cached = _cached(path, key, refresh)
+    if cached:
+        return StepCalibration(**{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in cached.items()})
+    mesh = mesh_lib.build_mesh(",".join(f"{a}={devices if a == 'batch' else 1}" for a in
+                                        ["batch"] + [a for a in table.axes if a != "batch"]),
+                               device_type=device_type)
+    half = max(devices, batch // 2 // devices * devices)
+    if half == batch:
+        batch = 2 * half
+    rng = np.random.default_rng(0)
+
+    def step_fn(rows: int, remat: Sequence[str]):
+        model, _ = layouts.build_model(model_factory, mesh, table, seed=0, input_shape=input_shape,
+                                       input_dtype=input_dtype, allow_replicated=True)
+        step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh,
+                           config=steps.StepConfig(remat=tuple(remat)))
+        shape = [rows, *input_shape]
+        if "int" in input_dtype:
+            x = rng.integers(0, num_classes, shape).astype(input_dtype)
+        else:
+            x = rng.standard_normal(shape).astype(input_dtype)
+        y = rng.integers(0, num_classes, [rows, *model.output_shape[1:-1]]).astype(np.int64)
+        packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
+        return lambda: float(tf.reduce_sum(step.train(packed)))
+
+    fns = [step_fn(batch, ()), step_fn(half, ())]
+    if remat_patterns:
+        fns.append(step_fn(batch, remat_patterns))
+    measured = alternating_ms(fns)
+    e = max((measured[0] - measured[1]) / (batch - half), 0.0)
+    a = max(measured[0] - e * batch, 0.0)
+    share = max(measured[2] / measured[0] - 1, 0.0) if remat_patterns else 0.0
+    result = StepCalibration(a_ms=a, e_ms=e, remat_share=share, batch_sizes=(batch, half),
+                             measured_ms=tuple(measured))
+    _store_cache(path, key, dataclasses.asdict(result))
+    return result
+
+
+def alternating_ms(fns: Sequence[Callable[[], Any]], *, rounds: int = 9,
+                   warmup: int = 3) -> list[float]:
+    """Median ms per call of each function, called in turn (noise hits them alike)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(1000 * (time.perf_counter() - start))
+    return [statistics.median(t) for t in times]
+
+
+def _agree(machine: MachineCalibration, step: StepCalibration
+           ) -> tuple[MachineCalibration, StepCalibration]:
+    """Client 0's figures on every client, so that every client chooses the same plan."""
+    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    if not cluster.is_multi_client():
+        return machine, step
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    ctx = context.context()
+    key = "dtk/plan/calibration"
+    if cluster.is_lead_client():
+        ctx.set_config_key_value(key, json.dumps(
+            {"gather": {str(k): list(v) for k, v in machine.gather.items()},
+             "step": dataclasses.asdict(step)}))
+        return machine, step
+    data = json.loads(ctx.get_config_key_value(key, timeout_in_ms=600_000))
+    machine = dataclasses.replace(machine, gather={int(k): tuple(v)
+                                                   for k, v in data["gather"].items()})
+    s = data["step"]
+    step = StepCalibration(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
+    return machine, step
+
+
+# -- the entry point --------------------------------------------------------------------------------
+def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
+         global_batch_size: int, device_memory_gb: float | None = None, table=None,
+         input_shape: Sequence[int], input_dtype: str = "float32", num_classes: int,
+         loss: Any = "sparse_categorical_crossentropy", optimizer: Any = "adamw",
+         remat_patterns: Sequence[str] = (), device_type: str = "auto",
+         cache: str | None = None, refresh: bool = False,
+         machine: MachineCalibration | None = None,
+         step: StepCalibration | None = None) -> Plan:
+    """Chooses the mesh, update, remat and microbatches for ``model_factory`` (module docstring).
+
+    Args:
+      model_factory: builds the plain tf_keras model.
+      devices: devices in the mesh (default: every device of ``device_type`` on every client).
+      global_batch_size: examples per step, over all devices.
+      device_memory_gb: memory per device for weights, state, gradients and activations
+        (None: no limit; the fastest candidate wins).
+      table: the layout table (name, path or LayoutTable).
+      input_shape, input_dtype, num_classes: one example's input, and the label range (the
+        timed steps train on random data of that shape).
+      loss, optimizer: what the timed steps train with.
+      remat_patterns: the model's blocks, as for ``TrainerConfig(remat=...)``; without them remat
+        is not a candidate.
+      device_type: as for ``build_mesh``.
+      cache: the calibration cache file; refresh: measure again even if cached.
+      machine, step: calibrations to use instead of measuring (tests, benchmarks).
+
+    Raises:
+      PlanError: no candidate fits, with the smallest shortfall and the fix.
+      ValueError: bad arguments, named.
+    """
+    from dtk import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer; got {global_batch_size!r}")
+    if device_memory_gb is not None and not device_memory_gb > 0:
+        raise ValueError(f"device_memory_gb must be positive; got {device_memory_gb!r}")
+    table = layouts.load_table(table or "data_parallel")
+    kind = mesh_lib.resolve_device_type(device_type)
+    if devices is None:  # every device of every client (initializes TensorFlow's devices)
+        devices = mesh_lib.build_mesh("batch=-1", device_type=kind).size
+    budget = None if device_memory_gb is None else int(device_memory_gb * 1024 * MIB)
+    profile = profile_model(model_factory, input_shape, input_dtype=input_dtype)
+    common = {"devices": devices, "global_batch_size": global_batch_size,
+              "budget_bytes": budget, "remat_patterns": remat_patterns}
+    if machine is None or step is None:
+        # Memory first: a budget nothing fits is an error before anything is measured, and
+        # the model's step is timed at the rows that fit on batch=D.
+        untimed = enumerate_candidates(profile, table, machine=None, step=None, **common)
+        choose(untimed)
+        data_parallel = [c for c in untimed if c.rejected is None and not c.remat
+                         and c.mesh.split(",")[0] == f"batch={devices}"]
+        fitting = [c for c in data_parallel if c.fits] or data_parallel
+        rows = global_batch_size // min((c.microbatches for c in fitting), default=1)
+        if machine is None:
+            machine = calibrate_machine(kind, devices, cache=cache, refresh=refresh)
+        if step is None:
+            step = calibrate_step(model_factory, profile=profile, table=table, device_type=kind,
+                                  devices=devices, batch=max(rows, devices),
+                                  input_shape=input_shape, input_dtype=input_dtype, loss=loss,
+                                  optimizer=optimizer, remat_patterns=remat_patterns,
+                                  num_classes=num_classes, cache=cache, refresh=refresh)
+    machine, step = _agree(machine, step)
+    candidates = enumerate_candidates(profile, table, machine=machine, step=step, **common)
+    chosen = choose(candidates)
+    _log.info("plan: %s, predicted %.1f ms/step, %s per device", chosen.label,
+              chosen.predicted_ms or 0.0, _mib(chosen.memory["total"]))
+    return Plan(chosen=chosen, candidates=tuple(candidates), machine=machine, step=step,
+                global_batch_size=global_batch_size, table=table.name)
+
+
+def explain_plan(p: Plan) -> str:
+    """Every candidate: memory per device, predicted ms/step, and chosen or why not."""
+    rows = [("candidate", "weights", "state", "grads", "gathered", "activations", "total",
+             "ms/step", "")]
+    best = p.chosen
+    for c in sorted(p.candidates, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0)):
+        if c.rejected:
+            rows.append((c.label, "", "", "", "", "", "", "", f"cannot run: {c.rejected}"))
+            continue
+        m = c.memory
+        if c is best:
+            why = "CHOSEN"
+        elif not c.fits:
+            why = f"over budget by {_mib(m['total'] - c.budget)}"
+        else:
+            why = f"slower (+{(c.predicted_ms or 0) / (best.predicted_ms or 1) - 1:.0%})"
+        rows.append((c.label, *(f"{m[k] / MIB:.1f}" for k in (
+            "weights", "optimizer", "gradients", "gathered", "activations", "total")),
+            f"{c.predicted_ms:.1f}" if c.predicted_ms is not None else "", why))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    budget = best.budget
+    lines = [f"plan for {p.machine.devices} {p.machine.device_kind.upper()} device(s), global batch "
+             f"{p.global_batch_size}, table {p.table!r}, budget "
+             f"{_mib(budget) if budget is not None else 'none'} per device (MiB per device below)"]
+    lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    s = p.step
+    lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch (measured "
+                 f"{', '.join(f'{t:.1f}' for t in s.measured_ms)} ms at batch "
+                 f"{', '.join(map(str, s.batch_sizes))} on batch={p.machine.devices}"
+                 f"{', the last with remat' if len(s.measured_ms) > 2 else ''}); remat "
+                 f"+{s.remat_share:.0%}; gathers: " + ", ".join(
+                     f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
+                     sorted(p.machine.gather.items())))
+    lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "
+                 f"{_mib(best.memory['total'])} per device")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Benchmark of the planner (``dtk.plan``, ``--mesh auto``): predicted against measured.
+
+    python scripts/bench_plan.py                         # LM dims 64, 128, 256; three budgets each
+    python scripts/bench_plan.py --dims 128 --json_out plan.jsonl
+
+For each LM size, in one process on 8 virtual CPUs: the planner calibrates (cached machine
+figures are reused; ``--refresh`` measures again), then every candidate that can run is built
+and timed, all candidates alternating call by call (ratios within one process are far steadier
+than across processes on these 2-core machines). Three memory budgets per size: none (every
+candidate fits), just below the fastest candidate's planned memory, and just above the smallest
+candidate's. For each budget the table shows the chosen plan, its predicted and measured ms/step,
+the best feasible candidate's measured ms/step, and the two checks of issue 27: chosen within
+10% of the best feasible, and measured within 20% of predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _lm_factory(models, dim: int, seq_len: int, layers: int):
+    return lambda: models.transformer_lm(vocab=256, seq_len=seq_len, dim=dim, heads=8,
+                                         layers=layers)
+
+
+def run_size(dim: int, *, seq_len: int, layers: int, batch: int, refresh: bool,
+             rounds: int) -> list[dict]:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    dtk.configure_virtual_cpus(8)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib, layouts, models, planner, steps  # pylint: disable=g-import-not-at-top
+    factory = _lm_factory(models, dim, seq_len, layers)
+    remat = models.MODEL_SPECS["lm"].remat
+    common = {"global_batch_size": batch, "table": "transformer_lm", "input_shape": (seq_len,),
+              "input_dtype": "int32", "num_classes": 256, "remat_patterns": remat}
+    base = planner.plan(factory, refresh=refresh, **common)
+    runnable = [c for c in base.candidates if c.rejected is None]
+    fastest = min(runnable, key=lambda c: c.predicted_ms)
+    smallest = min(runnable, key=lambda c: c.memory["total"])
+    budgets = [None, fastest.memory["total"] - 1, smallest.memory["total"] + 1]
+    plans = [base] + [planner.plan(factory, device_memory_gb=b / 2 ** 30, machine=base.machine,
+                                   step=base.step, **common) for b in budgets[1:]]
+    union = {}
+    for p in plans:  # a budget may need more microbatches: another candidate to time
+        for c in p.candidates:
+            if c.rejected is None and (p is base or c.fits):
+                union.setdefault(c.label, c)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (batch, seq_len)).astype(np.int32)
+    y = rng.integers(0, 256, (batch, seq_len)).astype(np.int64)
+    fns = []
+    for c in union.values():
+        mesh = dtk.build_mesh(c.mesh)
+        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
+                                       fsdp=c.update == "fsdp")
+        step = steps.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adamw",
+                           mesh=mesh, config=steps.StepConfig(
+                               remat=remat if c.remat else (),
+                               gradient_accumulation_steps=c.microbatches))
+        packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
+        fns.append(lambda step=step, packed=packed: float(tf.reduce_sum(step.train(packed))))
+    measured = planner.alternating_ms(fns, rounds=rounds)
+    by_label = dict(zip(union, measured))
+    rows = []
+    for budget, p in zip(budgets, plans):
+        feasible = [c for c in p.candidates if c.fits]
+        best = min(feasible, key=lambda c: by_label[c.label])
+        chosen = p.chosen
+        got = by_label[chosen.label]
+        rows.append({
+            "dim": dim, "budget_mib": None if budget is None else round(budget / 2 ** 20, 2),
+            "feasible": len(feasible), "chosen": chosen.label,
+            "predicted_ms": round(chosen.predicted_ms, 1), "measured_ms": round(got, 1),
+            "best": best.label, "best_ms": round(by_label[best.label], 1),
+            "within_10pct_of_best": got <= 1.10 * by_label[best.label],
+            "within_20pct_of_prediction": abs(got - chosen.predicted_ms) <= 0.2 * got,
+            "candidates": [{"label": c.label, "mib": round(c.memory["total"] / 2 ** 20, 2),
+                            "fits": c.fits, "predicted_ms": round(c.predicted_ms, 1),
+                            "measured_ms": round(by_label[c.label], 1)}
+                           for c in p.candidates if c.label in by_label and
+                           (c.fits or budget is None)]})
+    print(base.explain(), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dims", default="64,128,256", help="LM model dims, comma-separated")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="global batch size")
+    parser.add_argument("--rounds", type=int, default=7, help="timed calls per candidate")
+    parser.add_argument("--refresh", action="store_true", help="calibrate again, ignoring the cache")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json_out", default=None)
+    args = parser.parse_args()
+    if args.worker is not None:
+        for row in run_size(args.worker, seq_len=args.seq_len, layers=args.layers,
+                            batch=args.batch, refresh=args.refresh, rounds=args.rounds):
+            print("ROW " + json.dumps(row), flush=True)
+        return 0
+    import subprocess  # pylint: disable=g-import-not-at-top
+    rows = []
+    for dim in (int(d) for d in args.dims.split(",")):
+        cmd = [sys.executable, __file__, "--worker", str(dim), "--layers", str(args.layers),
+               "--seq_len", str(args.seq_len), "--batch", str(args.batch),
+               "--rounds", str(args.rounds)] + (["--refresh"] if args.refresh else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+        got = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+        if out.returncode or not got:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        explain = [line for line in out.stderr.splitlines() if not line.startswith(
+            ("W0000", "I0000", "E0000", "WARNING", "INFO"))]
+        print("\n".join(explain[-25:]))
+        rows += got
+    print("\n| dim | budget (MiB/device) | feasible | chosen | predicted ms | measured ms | best "
+          "feasible (measured ms) | <=10% of best | <=20% of prediction |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['dim']} | {r['budget_mib'] or 'none'} | {r['feasible']} | {r['chosen']} | "
+              f"{r['predicted_ms']} | {r['measured_ms']} | {r['best']} ({r['best_ms']}) | "
+              f"{'yes' if r['within_10pct_of_best'] else 'NO'} | "
+              f"{'yes' if r['within_20pct_of_prediction'] else 'NO'} |")
+    print("\nevery candidate timed (predicted / measured ms, planned MiB per device):")
+    for r in rows:
+        print(f"dim {r['dim']}, budget {r['budget_mib'] or 'none'}: " + "; ".join(
+            f"{c['label']} {c['predicted_ms']}/{c['measured_ms']} ({c['mib']})"
+            for c in r["candidates"]))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

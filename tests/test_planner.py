@@ -1,0 +1,199 @@
+"""The planner (``dtk.plan``, ``--mesh auto``): candidates on fake device counts and budgets,
+the arithmetic of a plan that does not fit, and chosen plans that train with one-device numbers."""
+
+import functools
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import dtk
+from dtk import models, planner
+from tests import procs
+from tests import test_memory
+
+# Calibrations given by hand: no timing in the unit tests. A model axis is costly here (as
+# measured on CPUs), so without a budget data parallelism wins.
+MACHINE = planner.MachineCalibration(device_kind="CPU", devices=8,
+                                     gather={n: (0.5, 4.0) for n in (2, 4, 8, 16, 32, 64)})
+STEP = planner.StepCalibration(a_ms=100.0, e_ms=2.0, remat_share=0.3,
+                               batch_sizes=(8, 16), measured_ms=(116.0, 132.0, 148.0))
+
+LM = functools.partial(models.transformer_lm, vocab=256, seq_len=16, dim=64, heads=8, layers=2)
+MLP = functools.partial(models.mnist_mlp, hidden=256)
+
+
+def _plan(factory=LM, *, devices=8, batch=16, gb=None, table="transformer_lm", seq_len=16,
+          **kwargs):
+    lm = factory is LM or kwargs.pop("lm", False)
+    return planner.plan(
+        factory, devices=devices, global_batch_size=batch, device_memory_gb=gb, table=table,
+        input_shape=(seq_len,) if lm else (28, 28, 1), input_dtype="int32" if lm else "float32",
+        num_classes=256 if lm else 10,
+        remat_patterns=models.MODEL_SPECS["lm" if lm else "mlp"].remat,
+        machine=MACHINE, step=STEP, **kwargs)
+
+
+def _mib(c):
+    return c.memory["total"] / 2 ** 30
+
+
+def test_candidates_are_every_factorization_times_the_memory_options():
+    p = _plan()
+    meshes = sorted({c.mesh for c in p.candidates})
+    assert meshes == ["batch=1,model=8", "batch=2,model=4", "batch=4,model=2", "batch=8"]
+    # (zero, fsdp) x (remat or not) per mesh; FSDP has nothing to shard over on batch=1
+    assert len(p.candidates) == 3 * 4 + 2
+    assert p.chosen.label == "batch=8 zero"  # no budget: the fastest prediction
+    assert p.chosen.predicted_ms == min(c.predicted_ms for c in p.candidates)
+    # 16 fake devices: 5 factorizations into batch x model
+    assert len({c.mesh for c in _plan(devices=16).candidates}) == 5
+
+
+@pytest.mark.parametrize("devices", [4, 16, 64])
+def test_fake_device_counts(devices):
+    p = _plan(MLP, devices=devices, batch=64, table="mlp_model_parallel")
+    sizes = {c.mesh for c in p.candidates}
+    assert all(eval("*".join(re.findall(r"=(\d+)", m))) == devices for m in sizes)  # pylint: disable=eval-used
+    assert p.chosen.fits
+
+
+def test_a_budget_only_fsdp_fits_picks_fsdp():
+    free = _plan(MLP, table="data_parallel", batch=64)
+    by = {c.label: c for c in free.candidates}
+    zero, fsdp = by["batch=8 zero"], by["batch=8 fsdp"]
+    assert fsdp.memory["total"] < zero.memory["total"]
+    budget = (fsdp.memory["total"] + 1) / 2 ** 30
+    p = _plan(MLP, table="data_parallel", batch=64, gb=budget)
+    fitting = [c for c in p.candidates if c.fits]
+    assert fitting and all(c.update == "fsdp" for c in fitting)  # the sharded update does not fit
+    assert p.chosen.label == "batch=8 fsdp"
+    assert "over budget" in p.explain() and "CHOSEN" in p.explain()
+
+
+def test_a_budget_only_1x8_fits_picks_it():
+    # Weights dominate (a wide LM, few rows): only the model axis divides them all.
+    wide = functools.partial(models.transformer_lm, vocab=256, seq_len=4, dim=256, heads=8,
+                             layers=2)
+    free = _plan(wide, batch=8, lm=True, seq_len=4)
+    one_by_eight = [c for c in free.candidates if c.mesh == "batch=1,model=8" and not c.remat][0]
+    others = [c for c in free.candidates if c.mesh != "batch=1,model=8"]
+    assert all(c.memory["total"] > one_by_eight.memory["total"] for c in others)
+    p = _plan(wide, batch=8, lm=True, seq_len=4, gb=(one_by_eight.memory["total"] + 1) / 2 ** 30)
+    assert p.chosen.mesh == "batch=1,model=8"
+    assert all(not c.fits for c in p.candidates if c.mesh != "batch=1,model=8")
+
+
+def test_microbatches_are_the_fewest_that_fit():
+    free = _plan(batch=64)
+    base = [c for c in free.candidates if c.label == "batch=8 zero"][0]
+    act = base.memory["activations"]
+    budget = base.memory["total"] - act // 2 + 1  # half the activations: 2 microbatches
+    p = _plan(batch=64, gb=budget / 2 ** 30)
+    c = [c for c in p.candidates if c.mesh == "batch=8" and c.update == "zero" and not c.remat][0]
+    assert c.microbatches == 2 and c.fits
+    assert c.memory["activations"] == act // 2
+    assert c.predicted_ms > base.predicted_ms  # one more gradient reduction
+
+
+def test_nothing_fits_is_one_error_with_the_arithmetic():
+    with pytest.raises(planner.PlanError) as e:
+        _plan(gb=1e-6)
+    message = str(e.value)
+    assert "no plan fits the device memory budget of 0.0 MiB per device" in message
+    assert re.search(r"the smallest is \S.* with weights [\d.]+ MiB .* = [\d.]+ MiB, [\d.]+ MiB "
+                     r"over", message), message
+    assert "more devices" in message and "smaller global batch" in message and "remat" in message
+
+
+def test_a_batch_the_mesh_cannot_divide_is_a_reason_not_a_crash():
+    p = _plan(batch=4)
+    rejected = [c for c in p.candidates if c.rejected]
+    assert {c.mesh for c in rejected} == {"batch=8"}
+    assert "not divisible by batch=8" in rejected[0].rejected
+    assert p.chosen.mesh != "batch=8"
+    assert "cannot run: global batch 4 is not divisible by batch=8" in p.explain()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="global_batch_size must be a positive integer; got 0"):
+        _plan(batch=0)
+    with pytest.raises(ValueError, match="device_memory_gb must be positive; got -1"):
+        _plan(gb=-1)
+
+
+def test_model_axis_collectives_are_counted_from_the_table():
+    p = _plan()
+    by = {c.label: c for c in p.candidates}
+    # The same compute on every mesh; each more model-sharded mesh adds activation collectives.
+    assert (by["batch=8 zero"].predicted_ms < by["batch=4,model=2 zero"].predicted_ms
+            < by["batch=2,model=4 zero"].predicted_ms)
+    # Sharded on model, weights shrink; the replicated residual stream does not.
+    assert by["batch=1,model=8 zero"].memory["weights"] < by["batch=8 zero"].memory["weights"]
+
+
+# -- the chosen plan trains with one device's numbers -----------------------------------------------
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_chosen_plan_trains_like_one_device(kind):
+    """A budget that forces a non-default plan (FSDP or the model axis, and microbatches); its
+    Trainer run matches one device (test_memory's reference) at 1e-5."""
+    factory, table, remat, shape, classes = test_memory.MODELS[kind]
+    common = {"global_batch_size": test_memory.BATCH, "table": table, "input_shape": shape,
+              "input_dtype": "int32" if kind == "lm" else "float32", "num_classes": classes,
+              "remat_patterns": remat, "machine": MACHINE, "step": STEP, "devices": 8}
+    free = planner.plan(factory, **common)
+    smallest = min((c for c in free.candidates if c.rejected is None),
+                   key=lambda c: c.memory["total"])
+    p = planner.plan(factory, device_memory_gb=(smallest.memory["total"] + 1) / 2 ** 30, **common)
+    chosen = p.chosen.config
+    assert chosen != free.chosen.config
+    trainer = test_memory._trainer(  # pylint: disable=protected-access
+        kind, chosen["mesh"], fsdp=chosen["fsdp"], remat="model" if chosen["remat"] else (),
+        gradient_accumulation_steps=chosen["gradient_accumulation_steps"])
+    history = trainer.fit(test_memory._data(trainer.mesh, kind), epochs=2).history["loss"]  # pylint: disable=protected-access
+    test_memory._check(trainer, history, kind)  # pylint: disable=protected-access
+
+
+# -- the scripts ------------------------------------------------------------------------------------
+@pytest.mark.xdist_group("processes")
+def test_train_mnist_mesh_auto_trains_and_caches_its_calibration(tmp_path):
+    cache = tmp_path / "plan.json"
+    summary = tmp_path / "s.json"
+    env = procs.base_env(DTK_PLAN_CACHE=str(cache))
+    args = [sys.executable, "scripts/train_mnist.py", "--dataset", "sample", "--epochs", "1",
+            "--max_steps", "3", "--global_batch_size", "64"]
+    res = subprocess.run(args + ["--mesh", "auto", "--summary_json", str(summary)], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = [l for l in res.stdout.splitlines() if l.startswith("plan: ")]
+    assert line, res.stdout
+    got = json.loads(summary.read_text())
+    assert got["auto_plan"]["chosen"] in line[0]
+    assert got["mesh"] in line[0]
+    keys = json.loads(cache.read_text())
+    assert "machine/CPU:8" in keys and any(k.startswith("step/CPU:8/") for k in keys)
+    # A second run reads the cache: it measures nothing and chooses the same plan.
+    before = cache.stat().st_mtime_ns
+    res = subprocess.run(args + ["--mesh", "auto", "--explain_plan"], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "CHOSEN" in res.stdout and line[0] in res.stdout
+    assert cache.stat().st_mtime_ns == before
+
+
+@pytest.mark.xdist_group("processes")
+@pytest.mark.parametrize("script, extra, message", [
+    ("train_lm.py", ["--mesh", "auto", "--fsdp"],
+     "error: --mesh auto chooses --fsdp itself; drop it, or give a mesh"),
+    ("train_mnist.py", ["--mesh", "auto", "--device_memory_gb", "0.000001"],
+     "error: --mesh auto: no plan fits the device memory budget of 0.0 MiB per device"),
+])
+def test_auto_mesh_bad_inputs_are_one_line(tmp_path, script, extra, message):
+    env = procs.base_env(DTK_PLAN_CACHE=str(tmp_path / "plan.json"))
+    res = subprocess.run([sys.executable, f"scripts/{script}", *extra], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.startswith(message), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
