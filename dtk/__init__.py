@@ -52,9 +52,12 @@ _EXPORTS = {
     "Trainer": "dtk.trainer",
     "TrainerConfig": "dtk.trainer",
     "ModelSpec": "dtk.models",
+    "Plan": "dtk.planner",
+    "PlanError": "dtk.planner",
+    "plan": "dtk.planner",
 }
 _SUBMODULES = ("checkpoint", "cluster", "fsdp", "input", "launch", "layouts", "mesh", "mnist",
-               "models", "optimizers", "remat", "steps", "trainer")
+               "models", "optimizers", "planner", "remat", "steps", "trainer")
 
 __all__ = ["__version__", *sorted(_EXPORTS), "models"]
 
@@ -85,5 +88,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.mnist import load_mnist  # noqa: F401
     from dtk.models import ModelSpec  # noqa: F401
     from dtk.optimizers import make_loss, make_metrics, make_optimizer  # noqa: F401
+    from dtk.planner import Plan, PlanError, plan  # noqa: F401
     from dtk.steps import StepConfig, Steps  # noqa: F401
     from dtk.trainer import History, Trainer, TrainerConfig  # noqa: F401

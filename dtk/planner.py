@@ -87,8 +87,12 @@ class StepCalibration:
     a_ms: float
     e_ms: float
     remat_share: float
-    batch_sizes: tuple[int, ...]
-    measured_ms: tuple[float, ...]
+    # One more microbatch on batch=D, less its gradient reduction: the loop's own cost.
+    microbatch_ms: float = 0.0
+    # FSDP's gathers again in each more microbatch on batch=D (the sharded update has none).
+    fsdp_microbatch_ms: float = 0.0
+    batch_sizes: tuple[int, ...] = ()
+    measured_ms: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -365,17 +369,22 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
         # gradient of the 2-D gather is not a reduce-scatter: about two more gathers per weight.
         in_blocks = _remat_weights(profile, remat_patterns) if remat else {}
         two_d = 2 if sizes.get("model", 1) > 1 else 0
+        gathered = full = 0
         for w in plan.weights:
             if w.compute_dims is None:
                 continue
-            gathers = (k - 1) + k * (two_d + (1 if w.path in in_blocks else 0))
+            compute = w.bytes_total // layouts._split(w.compute_dims, sizes)  # pylint: disable=protected-access
+            gathered += compute
+            full += w.bytes_total
+            gathers = k * (two_d + (1 if w.path in in_blocks else 0))
             if gathers:
-                compute = w.bytes_total // layouts._split(w.compute_dims, sizes)  # pylint: disable=protected-access
                 ms += gathers * machine.gather_ms(b, compute)
-    if k > 1:  # DTensor reduces the gradients of every microbatch (dtk.steps): k - 1 more
+        # each more microbatch gathers again: measured on batch=D, scaled by what is gathered
+        ms += (k - 1) * step.fsdp_microbatch_ms * gathered / max(full, 1)
+    if k > 1:  # the loop's cost, and DTensor reduces every microbatch's gradients (dtk.steps)
         grads = sum(w.bytes_total // layouts._split(  # pylint: disable=protected-access
             w.compute_dims if w.compute_dims is not None else w.dims, sizes) for w in plan.weights)
-        ms += (k - 1) * 2 * machine.gather_ms(b, grads)
+        ms += (k - 1) * (step.microbatch_ms + 2 * machine.gather_ms(b, grads))
     return ms
 
 
@@ -463,6 +472,11 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
         f"smaller global batch (activations are {_mib(memory['activations'])} of it), remat"
         f"{'' if best.remat else ' (not possible: the model names no blocks)'}, or a budget of "
         f"at least {_mib(memory['total'])}")
+
+
+def _itemsize(dtype: str) -> int:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.as_dtype(dtype).size
 
 
 def _mib(n: float | None) -> str:
@@ -584,11 +598,12 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: 
         batch = 2 * half
     rng = np.random.default_rng(0)
 
-    def step_fn(rows: int, remat: Sequence[str]):
+    def step_fn(rows: int, remat: Sequence[str] = (), k: int = 1, fsdp: bool = False):
         model, _ = layouts.build_model(model_factory, mesh, table, seed=0, input_shape=input_shape,
-                                       input_dtype=input_dtype, allow_replicated=True)
+                                       input_dtype=input_dtype, allow_replicated=True, fsdp=fsdp)
         step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh,
-                           config=steps.StepConfig(remat=tuple(remat)))
+                           config=steps.StepConfig(remat=tuple(remat),
+                                                   gradient_accumulation_steps=k))
         shape = [rows, *input_shape]
         if "int" in input_dtype:
             x = rng.integers(0, num_classes, shape).astype(input_dtype)
@@ -598,17 +613,54 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: 
         packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
         return lambda: float(tf.reduce_sum(step.train(packed)))
 
-    fns = [step_fn(batch, ()), step_fn(half, ())]
+    variants = {"half": lambda: step_fn(half)}
     if remat_patterns:
-        fns.append(step_fn(batch, remat_patterns))
-    measured = alternating_ms(fns)
-    e = max((measured[0] - measured[1]) / (batch - half), 0.0)
-    a = max(measured[0] - e * batch, 0.0)
-    share = max(measured[2] / measured[0] - 1, 0.0) if remat_patterns else 0.0
-    result = StepCalibration(a_ms=a, e_ms=e, remat_share=share, batch_sizes=(batch, half),
-                             measured_ms=tuple(measured))
+        variants["remat"] = lambda: step_fn(batch, remat_patterns)
+    if (batch // devices) % 2 == 0:  # microbatches are possible
+        variants["k2"] = lambda: step_fn(batch, k=2)
+        variants["fsdp_k2"] = lambda: step_fn(batch, k=2, fsdp=True)
+    measured = {"plain": 0.0, **paired_ms(step_fn(batch), variants)}
+    measured["plain"] = measured.pop("anchor")
+    e = max((measured["plain"] - measured["half"]) / (batch - half), 0.0)
+    a = max(measured["plain"] - e * batch, 0.0)
+    share = max(measured["remat"] / measured["plain"] - 1, 0.0) if "remat" in fns else 0.0
+    micro = fsdp_micro = 0.0
+    if "k2" in measured:
+        grads = sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in profile.weights)
+        machine = calibrate_machine(device_type, devices, cache=cache)
+        micro = max(measured["k2"] - measured["plain"] - 2 * machine.gather_ms(devices, grads),
+                    0.0)
+        fsdp_micro = max(measured["fsdp_k2"] - measured["k2"], 0.0)
+    result = StepCalibration(a_ms=a, e_ms=e, remat_share=share, microbatch_ms=micro,
+                             fsdp_microbatch_ms=fsdp_micro, batch_sizes=(batch, half),
+                             measured_ms=tuple(measured.values()))
     _store_cache(path, key, dataclasses.asdict(result))
     return result
+
+
+def paired_ms(anchor: Callable[[], Any], variants: dict[str, Callable[[], Callable[[], Any]]],
+              *, rounds: int = 9) -> dict[str, float]:
+    """ms per call of ``anchor`` (key ``"anchor"``) and of each variant, measured as ratios.
+
+    Each variant is built (``variants[name]()`` returns its call), timed alternating with the
+    anchor, and dropped before the next: two models alive at a time, as in a real run (with many
+    alive every step ran 30-40% slower here), and a variant's time is its median ratio to the
+    anchor in its own rounds times the anchor's median over all rounds, so drift between
+    variants cancels out.
+    """
+    import gc  # pylint: disable=g-import-not-at-top
+    ratios, anchor_ms = {}, []
+    for name, build in variants.items():
+        fn = build()
+        base, other = alternating_ms([anchor, fn], rounds=rounds)
+        ratios[name] = other / base
+        anchor_ms.append(base)
+        del fn
+        gc.collect()
+    if not anchor_ms:
+        anchor_ms = alternating_ms([anchor], rounds=rounds)
+    ms = statistics.median(anchor_ms)
+    return {"anchor": ms, **{name: r * ms for name, r in ratios.items()}}
 
 
 def alternating_ms(fns: Sequence[Callable[[], Any]], *, rounds: int = 9,
@@ -744,11 +796,12 @@ def explain_plan(p: Plan) -> str:
              f"{_mib(budget) if budget is not None else 'none'} per device (MiB per device below)"]
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     s = p.step
+    m = s.measured_ms
     lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch (measured "
-                 f"{', '.join(f'{t:.1f}' for t in s.measured_ms)} ms at batch "
-                 f"{', '.join(map(str, s.batch_sizes))} on batch={p.machine.devices}"
-                 f"{', the last with remat' if len(s.measured_ms) > 2 else ''}); remat "
-                 f"+{s.remat_share:.0%}; gathers: " + ", ".join(
+                 f"{m[0]:.1f} ms at batch {s.batch_sizes[0]}, {m[1]:.1f} ms at "
+                 f"{s.batch_sizes[1]} on batch={p.machine.devices}); remat "
+                 f"+{s.remat_share:.0%}; a microbatch +{s.microbatch_ms:.1f} ms (FSDP +"
+                 f"{s.fsdp_microbatch_ms:.1f} ms) and its gradient reduction; gathers: " + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
                      sorted(p.machine.gather.items())))
     lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "

@@ -5,8 +5,10 @@
 
 For each LM size, in one process on 8 virtual CPUs: the planner calibrates (cached machine
 figures are reused; ``--refresh`` measures again), then every candidate that can run is built
-and timed, all candidates alternating call by call (ratios within one process are far steadier
-than across processes on these 2-core machines). Three memory budgets per size: none (every
+and timed alternating call by call with the plain ``batch=D`` plan, then dropped
+(``dtk.planner.paired_ms``): two models alive at a time, as in a real run (with many alive at
+once every step ran 30-40% slower here), and a candidate's time is its median ratio to that
+anchor times the anchor's median over the whole run, so drift between candidates cancels out. Three memory budgets per size: none (every
 candidate fits), just below the fastest candidate's planned memory, and just above the smallest
 candidate's. For each budget the table shows the chosen plan, its predicted and measured ms/step,
 the best feasible candidate's measured ms/step, and the two checks of issue 27: chosen within
@@ -51,19 +53,26 @@ def run_size(dim: int, *, seq_len: int, layers: int, batch: int, refresh: bool,
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (batch, seq_len)).astype(np.int32)
     y = rng.integers(0, 256, (batch, seq_len)).astype(np.int64)
-    fns = []
-    for c in union.values():
-        mesh = dtk.build_mesh(c.mesh)
-        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
-                                       fsdp=c.update == "fsdp")
-        step = steps.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adamw",
-                           mesh=mesh, config=steps.StepConfig(
-                               remat=remat if c.remat else (),
-                               gradient_accumulation_steps=c.microbatches))
-        packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
-        fns.append(lambda step=step, packed=packed: float(tf.reduce_sum(step.train(packed))))
-    measured = planner.alternating_ms(fns, rounds=rounds)
-    by_label = dict(zip(union, measured))
+    def build(c):
+        def make():
+            mesh = dtk.build_mesh(c.mesh)
+            model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
+                                           fsdp=c.update == "fsdp")
+            step = steps.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adamw",
+                               mesh=mesh, config=steps.StepConfig(
+                                   remat=remat if c.remat else (),
+                                   gradient_accumulation_steps=c.microbatches))
+            packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
+            return lambda: float(tf.reduce_sum(step.train(packed)))
+        return make
+
+    # Each candidate is timed alternating with the plain batch=D plan (the anchor), then dropped:
+    # two models alive at a time, as in a real run, and drift between candidates cancels out.
+    anchor_label = f"batch={base.machine.devices} zero"
+    timed = planner.paired_ms(build(union[anchor_label])(),
+                              {label: build(c) for label, c in union.items()
+                               if label != anchor_label}, rounds=rounds)
+    by_label = {anchor_label: timed.pop("anchor"), **timed}
     rows = []
     for budget, p in zip(budgets, plans):
         feasible = [c for c in p.candidates if c.fits]

@@ -197,3 +197,21 @@ def test_auto_mesh_bad_inputs_are_one_line(tmp_path, script, extra, message):
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith(message), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.xdist_group("processes")
+def test_two_clients_choose_one_plan(tmp_path):
+    """With an empty cache both clients measure together (the timed steps are collectives; client
+    0 says whether to measure), client 0's figures decide, and the run trains on that plan."""
+    env = procs.base_env()
+    args = [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+            "--", sys.executable, "scripts/train_mnist.py", "--mesh", "auto", "--dataset",
+            "sample", "--epochs", "1", "--max_steps", "2", "--global_batch_size", "64",
+            "--summary_json", str(tmp_path / "s.json")]
+    env["DTK_PLAN_CACHE"] = str(tmp_path / "plan.json")
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300,
+                         cwd=procs.REPO, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    plans = [l for l in res.stdout.splitlines() if "plan: batch=" in l]
+    assert len(plans) == 1 and plans[0].startswith("[client 0] plan: "), res.stdout[-3000:]
+    assert json.loads((tmp_path / "s.json").read_text())["auto_plan"]["chosen"] in plans[0]
