@@ -112,6 +112,9 @@ class ModelProfile:
 
     weights: tuple[tuple[str, tuple[int, ...], str], ...]
     layers: tuple[LayerProfile, ...]
+    input_shape: tuple[int, ...] = ()
+    input_dtype: str = "float32"
+    outputs: int = 1  # the last dim of the output: the label range of the timed steps
 
     @property
     def signature(self) -> str:
@@ -173,8 +176,8 @@ class PlanError(ValueError):
 
 
 # -- profiling a model ------------------------------------------------------------------------------
-def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int], *,
-                  input_dtype: str = "float32") -> ModelProfile:
+def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] | None = None,
+                  *, input_dtype: str | None = None) -> ModelProfile:
     """Reads the weights and every leaf layer's sizes from one plain call on one example.
 
     The plain build holds the model once on this host (the planner runs before any mesh).
@@ -182,6 +185,14 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int], 
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from dtk import layouts  # pylint: disable=g-import-not-at-top
     model = layouts._check_factory_result(model_factory())  # pylint: disable=protected-access
+    if input_shape is None or input_dtype is None:
+        inputs = getattr(model, "inputs", None) if model.built else None
+        if not inputs:
+            raise ValueError(
+                f"input_shape is needed: model {model.name!r} has no input spec (a subclassed "
+                "model); pass input_shape= (one example's shape) and input_dtype=")
+        input_shape = input_shape or tuple(int(d) for d in inputs[0].shape[1:])
+        input_dtype = input_dtype or inputs[0].dtype.name
     example = tf.zeros([1, *(int(d) for d in input_shape)], input_dtype)
     if not model.built:
         model(example)
@@ -222,7 +233,9 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int], 
         for layer in originals:
             del layer.call
     weights = tuple((p, tuple(int(s) for s in v.shape), v.dtype.name) for p, v in paths)
-    return ModelProfile(weights=weights, layers=tuple(records.values()))
+    return ModelProfile(weights=weights, layers=tuple(records.values()),
+                        input_shape=tuple(int(d) for d in input_shape), input_dtype=input_dtype,
+                        outputs=int(model.output_shape[-1]))
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -623,7 +636,7 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: 
     measured["plain"] = measured.pop("anchor")
     e = max((measured["plain"] - measured["half"]) / (batch - half), 0.0)
     a = max(measured["plain"] - e * batch, 0.0)
-    share = max(measured["remat"] / measured["plain"] - 1, 0.0) if "remat" in fns else 0.0
+    share = max(measured["remat"] / measured["plain"] - 1, 0.0) if "remat" in measured else 0.0
     micro = fsdp_micro = 0.0
     if "k2" in measured:
         grads = sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in profile.weights)
@@ -703,7 +716,8 @@ def _agree(machine: MachineCalibration, step: StepCalibration
 # -- the entry point --------------------------------------------------------------------------------
 def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
          global_batch_size: int, device_memory_gb: float | None = None, table=None,
-         input_shape: Sequence[int], input_dtype: str = "float32", num_classes: int,
+         input_shape: Sequence[int] | None = None, input_dtype: str | None = None,
+         num_classes: int | None = None,
          loss: Any = "sparse_categorical_crossentropy", optimizer: Any = "adamw",
          remat_patterns: Sequence[str] = (), device_type: str = "auto",
          cache: str | None = None, refresh: bool = False,
@@ -718,8 +732,10 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
       device_memory_gb: memory per device for weights, state, gradients and activations
         (None: no limit; the fastest candidate wins).
       table: the layout table (name, path or LayoutTable).
-      input_shape, input_dtype, num_classes: one example's input, and the label range (the
-        timed steps train on random data of that shape).
+      input_shape, input_dtype, num_classes: one example's input and the label range; the
+        timed steps train on random data of that shape (integer inputs, token ids, are drawn
+        from the label range too). Default: the model's input spec and the last dim of its
+        output.
       loss, optimizer: what the timed steps train with.
       remat_patterns: the model's blocks, as for ``TrainerConfig(remat=...)``; without them remat
         is not a candidate.
@@ -742,6 +758,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
         devices = mesh_lib.build_mesh("batch=-1", device_type=kind).size
     budget = None if device_memory_gb is None else int(device_memory_gb * 1024 * MIB)
     profile = profile_model(model_factory, input_shape, input_dtype=input_dtype)
+    input_shape, input_dtype = profile.input_shape, profile.input_dtype
+    num_classes = num_classes or profile.outputs
     common = {"devices": devices, "global_batch_size": global_batch_size,
               "budget_bytes": budget, "remat_patterns": remat_patterns}
     if machine is None or step is None:

@@ -135,6 +135,7 @@ def test_model_axis_collectives_are_counted_from_the_table():
 
 
 # -- the chosen plan trains with one device's numbers -----------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "lm"])
 def test_chosen_plan_trains_like_one_device(kind):
     """A budget that forces a non-default plan (FSDP or the model axis, and microbatches); its
@@ -157,6 +158,7 @@ def test_chosen_plan_trains_like_one_device(kind):
 
 
 # -- the scripts ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 def test_train_mnist_mesh_auto_trains_and_caches_its_calibration(tmp_path):
     cache = tmp_path / "plan.json"
@@ -183,6 +185,7 @@ def test_train_mnist_mesh_auto_trains_and_caches_its_calibration(tmp_path):
     assert cache.stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("processes")
 @pytest.mark.parametrize("script, extra, message", [
     ("train_lm.py", ["--mesh", "auto", "--fsdp"],
@@ -199,6 +202,8 @@ def test_auto_mesh_bad_inputs_are_one_line(tmp_path, script, extra, message):
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.zoo  # two clients measuring together (about a minute): the release lane
 @pytest.mark.xdist_group("processes")
 def test_two_clients_choose_one_plan(tmp_path):
     """With an empty cache both clients measure together (the timed steps are collectives; client
@@ -215,3 +220,11 @@ def test_two_clients_choose_one_plan(tmp_path):
     plans = [l for l in res.stdout.splitlines() if "plan: batch=" in l]
     assert len(plans) == 1 and plans[0].startswith("[client 0] plan: "), res.stdout[-3000:]
     assert json.loads((tmp_path / "s.json").read_text())["auto_plan"]["chosen"] in plans[0]
+
+
+def test_input_spec_and_label_range_default_to_the_models():
+    p = planner.plan(MLP, devices=8, global_batch_size=64, table="data_parallel",
+                     machine=MACHINE, step=STEP)
+    assert p.chosen.mesh == "batch=8"
+    profile = planner.profile_model(MLP)
+    assert (profile.input_shape, profile.input_dtype, profile.outputs) == ((28, 28, 1), "float32", 10)
