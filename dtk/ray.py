@@ -19,6 +19,9 @@
 
 Ray schedules the workers (its ``ScalingConfig``: number, GPUs, resources, placement strategy),
 restarts a failed group (``FailureConfig``) and keeps the reported checkpoints (``RunConfig``).
+Elastic groups (``ScalingConfig(num_workers=(min, max))``, Ray Train v2) need nothing more: each
+start gets the jobs of the workers it has, and a loop that builds ``dtk.build_mesh("batch=-1")``
+spans their devices and resumes from the newest checkpoint with the same numbers.
 The backend (``DTensorConfig``) makes each worker one DTensor client before TensorFlow starts there:
 every worker reports its node's address and a port free on that node, and every worker gets the
 jobs list in world-rank order, its client id (= its world rank), dtk's start-up and heartbeat

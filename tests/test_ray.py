@@ -15,11 +15,11 @@ dtk_ray = pytest.importorskip(
 
 # One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""
-    def train(checkpoint_dir=None, kill_at_step=None, marker=None, report=False):
+    def train(checkpoint_dir=None, kill_at_step=None, marker=None, report=False, mesh="batch=8"):
         import json, os, signal, time
         import numpy as np, tensorflow as tf, dtk
         from dtk import input as input_lib
-        mesh = dtk.build_mesh("batch=8", device_type="cpu")
+        mesh = dtk.build_mesh(mesh, device_type="cpu")
         rng = np.random.default_rng(0)
         data = tf.data.Dataset.from_tensor_slices(
             (rng.random((256, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 256).astype(np.int64)))
@@ -33,7 +33,9 @@ TRAIN = textwrap.dedent("""
         if kill_at_step is not None and dtk.cluster.client_id() == 1 and not os.path.exists(marker):
             def kill(step):
                 if step >= kill_at_step:
-                    open(marker, "w").close()
+                    import ray  # the marker names this worker's node (the elastic test removes it)
+                    with open(marker, "w") as f:
+                        f.write(ray.get_runtime_context().get_node_id())
                     time.sleep(4)  # Ray registers a report at its next health check (every 2 s)
                     os.kill(os.getpid(), signal.SIGKILL)
             on_step_end.append(kill)
@@ -105,6 +107,69 @@ def test_two_ray_train_workers_match_one_process_and_restart_after_a_kill(ray_ru
     assert ray_runs["results"]["killed"] == {"epoch": 3, "error": "None", "checkpoint": True}
     assert (out / "killed-ckpt-restarted").is_dir(), "the group did not restart"
 
+
+# A lost machine: three Ray nodes on this host (a head and two worker nodes of one "dtk" slot
+# each). Client 1's node is removed at step 6; Ray's elastic ScalingConfig restarts the group on
+# the one node left, and the flexible mesh batch=-1 spans its 4 devices.
+ELASTIC = TRAIN + textwrap.dedent("""
+    import json, os, sys, threading, time
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes on 127.0.0.1, not the host's IP
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    import dtk.ray
+    out = sys.argv[1]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1, resources={"dtk": 1}) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    marker = os.path.join(out, "killed")
+
+    def remove_killed_node():
+        while not (os.path.exists(marker) and open(marker).read()):
+            time.sleep(0.2)
+        node_id = open(marker).read().strip()
+        cluster.remove_node(next(n for n in nodes if n.node_id == node_id), allow_graceful=False)
+
+    threading.Thread(target=remove_killed_node, daemon=True).start()
+
+    def loop(config):
+        losses = train(checkpoint_dir=config["ckpt"], kill_at_step=6, marker=marker, report=True,
+                       mesh="batch=-1")
+        if dtk.cluster.client_id() == 0:
+            with open(os.path.join(out, "elastic.json"), "w") as f:
+                json.dump({"losses": losses, "clients": dtk.cluster.num_clients()}, f)
+
+    result = dtk.ray.DTensorTrainer(
+        loop, train_loop_config={"ckpt": os.path.join(out, "ckpt")},
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "dtk": 1}),
+        run_config=RunConfig(name="elastic", storage_path=os.path.join(out, "ray"),
+                             failure_config=FailureConfig(max_failures=2)),
+        devices_per_worker=4, heartbeat_timeout_s=10).fit()
+    print("RESULT", json.dumps({"error": repr(result.error), "epoch": result.metrics.get("epoch")}))
+    ray.shutdown()
+    cluster.shutdown()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.zoo  # three Ray nodes and two groups (about 2 minutes): the release lane
+def test_elastic_scaling_config_continues_on_the_workers_left(tmp_path):
+    """ScalingConfig(num_workers=(1, 2)): after a node is lost, the group restarts on 1 worker
+    (4 virtual CPUs instead of 8), restores the newest checkpoint into that mesh, and keeps the
+    global batch, data order and step count: the losses equal the uninterrupted run's."""
+    namespace = {}
+    exec(TRAIN, namespace)  # pylint: disable=exec-used  (the same code the workers run)
+    single = namespace["train"]()  # batch=8 in this test process
+    res = procs.run_python(ELASTIC, args=(str(tmp_path),), timeout=420,
+                           env=procs.base_env(RAY_TRAIN_V2_ENABLED="1",
+                                              # Ray first retries the lost size until this passes
+                                              RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="20"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert json.loads(res.stdout.split("RESULT")[1]) == {"error": "None", "epoch": 3}
+    got = json.loads((tmp_path / "elastic.json").read_text())
+    assert got["clients"] == 1, "the group did not restart on the one node left"
+    np.testing.assert_allclose(got["losses"], single, rtol=1e-5)
+    assert (tmp_path / "killed").exists(), "client 1 was never killed"
 
 
 # -- the backend's environment, without a cluster --------------------------------------------------
