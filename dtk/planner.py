@@ -15,26 +15,29 @@ blocks or not), each with the fewest microbatches whose activations fit. For eac
   are live at once.
 - **predicted ms per step, from a cost model calibrated on this machine**:
 
-      step = a + e * B * (1 + r * remat)                 the model's step on batch=D, measured
-           + sum over model-axis collectives            row-parallel outputs (forward all-reduce),
-             (count x (alpha_m + bytes / beta_m))        column-parallel inputs (backward
+      step = (a + e * B) * (1 + remat_share if remat)    the model's step on batch=D, measured
+           + k x model-axis collectives                 row-parallel outputs (forward all-reduce),
+             (each alpha_m + bytes / beta_m)             column-parallel inputs (backward
                                                           all-reduce), sharded features (gather)
-           + FSDP: the extra gathers of remat            (the forward gathers replace ZeRO's
-                                                          gathers after the update)
-           + (k - 1) x (the gradient reduction + one microbatch's overhead)
+           + FSDP: 2 more gathers per weight and microbatch on a 2-D mesh, and each more
+                   microbatch's regather (measured on batch=D, scaled by the bytes gathered)
+           + (k - 1) x (the microbatch's own cost + its gradient reduction on this mesh)
 
-  ``a`` (the per-call overhead: dispatch, the gradient reduction and update) and ``e`` (compute
-  per example) come from timing the model's own step at two small batches on the ``batch=D``
-  mesh, ``r`` from one more small step with remat; ``alpha`` and ``beta`` per axis size from
-  timed gathers at two sizes. The machine's figures are cached in a JSON file keyed by device
-  kind and count (``$DTK_PLAN_CACHE``, default ``~/.cache/dtk/plan.json``), the model's by a
-  signature of its weights, batch and table, so a later run measures nothing.
+  ``a`` (per-call overhead) and ``e`` (compute per example) come from timing the model's own
+  step on ``batch=D`` at the rows that fit and at half of them; ``remat_share``, the microbatch
+  cost and FSDP's regather from the same step with remat and with 2 microbatches (with and
+  without FSDP); ``alpha`` and ``beta`` per axis size from timed gathers at two sizes. Each
+  variant is timed alternating with the plain step (``paired_ms``). The machine's figures are
+  cached in a JSON file keyed by device kind and count (``$DTK_PLAN_CACHE``, default
+  ``~/.cache/dtk/plan.json``), the model's by a signature of its weights, table, batch, loss,
+  optimizer and remat patterns, so a later run measures nothing.
 
 The fastest candidate that fits is chosen; ``explain_plan`` prints every candidate with its
 memory, its prediction and why it was not chosen. When none fits, ``PlanError`` (a ValueError)
 gives the smallest shortfall and what would make it fit. Every client computes the same plan
-from the same measurements: in a multi-client run client 0's calibration is broadcast (see
-``_agree``), as ``steps_per_execution="auto"`` does.
+from the same measurements: in a multi-client run client 0 decides whether to measure
+(``_cached``) and its figures are used everywhere (``_agree``), as for
+``steps_per_execution="auto"``.
 """
 
 from __future__ import annotations
