@@ -167,6 +167,9 @@ def _check_flags(dtk) -> None:
     for name in ("trials", "epochs", "workers", "concurrent", "validation_examples"):
         if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    if FLAGS.mesh == cli.AUTO_MESH:
+        raise UsageError("--mesh auto plans one training run (train_mnist.py, train_lm.py); a Tune "
+                         "search compares trials on one mesh: give it, e.g. --mesh batch=4")
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:

@@ -59,6 +59,7 @@ TUNE_CASES = [
     (["--num_cpus", "0"], "--num_cpus must be a positive integer"),
     (["--mesh", "batch=3"], "searched global batch sizes [64, 128, 256] are not divisible"),
     (["--mesh", "model=4"], "has no 'batch' axis"),
+    (["--mesh", "auto"], "--mesh auto plans one training run"),
     (["--mesh", "batch=8", "--workers", "3"], "not divisible by --workers 3"),
     (["--mesh", "batch=8", "--workers", "2"], ACCEPTED),
     (["--summary_json", "{dir}"], "is a directory; give a file path"),
