@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -59,6 +60,9 @@ from dtk import _env
 _log = logging.getLogger("dtk")
 
 MIB = 1024 * 1024
+# Coordination-service keys are written once: each post gets the next number (every client
+# plans in the same order, so the numbers agree).
+_POSTS = itertools.count()
 UPDATES = ("zero", "fsdp")
 
 
@@ -523,7 +527,7 @@ def _cached(path: str, key: str, refresh: bool) -> dict | None:
         return value
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
     ctx = context.context()
-    name = "dtk/plan/cached/" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = f"dtk/plan/cached/{hashlib.sha256(key.encode()).hexdigest()[:16]}/{next(_POSTS)}"
     if cluster.is_lead_client():
         ctx.set_config_key_value(name, json.dumps(value))
         return value
@@ -586,8 +590,8 @@ def calibrate_machine(device_type: str, devices: int, *, cache: str | None = Non
     return MachineCalibration(device_kind=device_type, devices=devices, gather=gather)
 
 
-def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: str,
-                   devices: int, batch: int, input_shape: Sequence[int], input_dtype: str,
+def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: MachineCalibration,
+                   device_type: str, devices: int, batch: int, input_shape: Sequence[int], input_dtype: str,
                    loss: Any, optimizer: Any, remat_patterns: Sequence[str], num_classes: int,
                    cache: str | None = None, refresh: bool = False) -> StepCalibration:
     """Times the model's own step on ``batch=D`` at ``batch`` rows and at half of them (and at
@@ -635,7 +639,14 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: 
     if (batch // devices) % 2 == 0:  # microbatches are possible
         variants["k2"] = lambda: step_fn(batch, k=2)
         variants["fsdp_k2"] = lambda: step_fn(batch, k=2, fsdp=True)
-    measured = {"plain": 0.0, **paired_ms(step_fn(batch), variants)}
+    # The timed builds' notes (FSDP's replicated weights, random layers) are the real run's to
+    # give, once: quiet here.
+    level = _log.level
+    _log.setLevel(logging.ERROR)
+    try:
+        measured = {"plain": 0.0, **paired_ms(step_fn(batch), variants)}
+    finally:
+        _log.setLevel(level)
     measured["plain"] = measured.pop("anchor")
     e = max((measured["plain"] - measured["half"]) / (batch - half), 0.0)
     a = max(measured["plain"] - e * batch, 0.0)
@@ -643,7 +654,6 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, device_type: 
     micro = fsdp_micro = 0.0
     if "k2" in measured:
         grads = sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in profile.weights)
-        machine = calibrate_machine(device_type, devices, cache=cache)
         micro = max(measured["k2"] - measured["plain"] - 2 * machine.gather_ms(devices, grads),
                     0.0)
         fsdp_micro = max(measured["fsdp_k2"] - measured["k2"], 0.0)
@@ -702,7 +712,7 @@ def _agree(machine: MachineCalibration, step: StepCalibration
         return machine, step
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
     ctx = context.context()
-    key = "dtk/plan/calibration"
+    key = f"dtk/plan/calibration/{next(_POSTS)}"
     if cluster.is_lead_client():
         ctx.set_config_key_value(key, json.dumps(
             {"gather": {str(k): list(v) for k, v in machine.gather.items()},
@@ -777,7 +787,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
         if machine is None:
             machine = calibrate_machine(kind, devices, cache=cache, refresh=refresh)
         if step is None:
-            step = calibrate_step(model_factory, profile=profile, table=table, device_type=kind,
+            step = calibrate_step(model_factory, profile=profile, table=table, machine=machine,
+                                  device_type=kind,
                                   devices=devices, batch=max(rows, devices),
                                   input_shape=input_shape, input_dtype=input_dtype, loss=loss,
                                   optimizer=optimizer, remat_patterns=remat_patterns,
@@ -785,8 +796,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
     machine, step = _agree(machine, step)
     candidates = enumerate_candidates(profile, table, machine=machine, step=step, **common)
     chosen = choose(candidates)
-    _log.info("plan: %s, predicted %.1f ms/step, %s per device", chosen.label,
-              chosen.predicted_ms or 0.0, _mib(chosen.memory["total"]))
+    _log.debug("plan: %s, predicted %.1f ms/step, %s per device", chosen.label,
+               chosen.predicted_ms or 0.0, _mib(chosen.memory["total"]))
     return Plan(chosen=chosen, candidates=tuple(candidates), machine=machine, step=step,
                 global_batch_size=global_batch_size, table=table.name)
 

@@ -203,7 +203,7 @@ def test_auto_mesh_bad_inputs_are_one_line(tmp_path, script, extra, message):
 
 
 @pytest.mark.slow
-@pytest.mark.zoo  # two clients measuring together (about a minute): the release lane
+@pytest.mark.zoo  # two clients measuring together (20 s on the critical path): the release lane
 @pytest.mark.xdist_group("processes")
 def test_two_clients_choose_one_plan(tmp_path):
     """With an empty cache both clients measure together (the timed steps are collectives; client

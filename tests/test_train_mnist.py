@@ -106,6 +106,7 @@ def test_offline_tfds_fails_in_one_line(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.zoo  # 28 s; every run covers the kill in a save across clients (test_launch.py)
 def test_killed_run_resumes(tmp_path):
     """Kill the run (SIGKILL) once its epoch-1 checkpoint exists, re-run: same result."""
     import signal
