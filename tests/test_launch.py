@@ -227,7 +227,9 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net")
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason=(
+    "Linux only: the private network namespace is a Linux feature, and the test reads which "
+    "ports listen from /proc/net/tcp; elsewhere dtk.launch warns that the group is not isolated"))
 def test_local_group_is_unreachable_and_sigterm_stops_everything(tmp_path):
     """The clients' servers listen only in a private network namespace (no interface but lo), so
     nothing outside the machine reaches them; SIGTERM to the launcher stops every client."""
