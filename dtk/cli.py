@@ -216,6 +216,23 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
         raise UsageError(f"--mesh auto: {e}") from None
 
 
+def apply_plan(flags, plan) -> None:
+    """Sets the flags the plan chose (``--mesh``, ``--fsdp``, ``--remat``, ``--grad_accum``)."""
+    chosen = plan.chosen.config
+    flags.mesh = chosen["mesh"]
+    flags.fsdp = chosen["fsdp"]
+    flags.remat = ["blocks"] if chosen["remat"] else []
+    flags.grad_accum = chosen["gradient_accumulation_steps"]
+
+
+def plan_summary(plan) -> dict[str, Any] | None:
+    """The summary JSON's record of the plan ``--mesh auto`` chose (None without one)."""
+    if plan is None:
+        return None
+    return {"chosen": plan.chosen.label, "predicted_ms_per_step": plan.chosen.predicted_ms,
+            "bytes_per_device": plan.chosen.memory}
+
+
 # -- output paths ---------------------------------------------------------------------------------
 def check_output_path(flag: str, path: str, *, kind: str) -> None:
     """Checks, before any training, that ``path`` can be written: a directory (``kind="dir"``)

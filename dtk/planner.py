@@ -212,23 +212,32 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
                    if isinstance(t, tf.Tensor))
 
     originals = []
+    calls = [0]  # records made so far: a layer none of whose sublayers ran counts as a leaf
 
-    def leaves(layer, prefix):
-        children = list(layer._flatten_layers(include_self=False, recursive=False))  # pylint: disable=protected-access
-        if not children:
-            yield layer, prefix + layer.name
-        for child in children:
-            yield from leaves(child, prefix + layer.name + "/")
+    def every_layer(layer, prefix):
+        yield layer, prefix + layer.name
+        for child in layer._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
+            yield from every_layer(child, prefix + layer.name + "/")
 
     for top in model._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
-        for layer, name in leaves(top, ""):
+        for layer, name in every_layer(top, ""):
             original = layer.call
 
             def call(*args, __layer=layer, __name=name, __call=original, **kwargs):
+                before = calls[0]
                 out = __call(*args, **kwargs)
+                if calls[0] != before:
+                    return out  # its sublayers ran and were counted (an LSTM's fused kernel
+                                # never calls its cell: then the LSTM itself is counted)
+                calls[0] += 1
                 outs = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+                # A layer called several times (a shared layer, an RNN cell per time step)
+                # keeps every call's output for the backward pass: the sizes add up.
+                seen = records.get(id(__layer))
                 records[id(__layer)] = LayerProfile(
-                    name=__name, in_elements=elements(args[:1]), out_elements=elements(out),
+                    name=__name,
+                    in_elements=elements(args[:1]) + (seen.in_elements if seen else 0),
+                    out_elements=elements(out) + (seen.out_elements if seen else 0),
                     itemsize=outs[0].dtype.size if outs else 4,
                     weights=tuple(by_id[id(w)] for w in __layer.weights if id(w) in by_id))
                 return out
@@ -310,6 +319,20 @@ def _remat_weights(profile: ModelProfile, remat: Sequence[str]) -> dict[str, str
             for p in layer.weights}
 
 
+def _compute_dims(plan) -> dict[str, tuple]:
+    """Each weight's layout while a step computes (FSDP weights are gathered to the table's)."""
+    return {w.path: (w.compute_dims if w.compute_dims is not None else w.dims)
+            for w in plan.weights}
+
+
+def _gradient_bytes(plan) -> int:
+    """Bytes per device of all gradients, in the compute layout."""
+    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    sizes, dims = dict(plan.mesh_axes), _compute_dims(plan)
+    return sum(w.bytes_total // layouts._split(dims[w.path], sizes)  # pylint: disable=protected-access
+               for w in plan.weights)
+
+
 def candidate_memory(profile: ModelProfile, plan, *, update: str, remat: Sequence[str],
                      rows_per_device: int, optimizer_slots: int = 2) -> dict[str, int]:
     """Bytes per device of a candidate: weights, optimizer state, gradients, gathered weights
@@ -319,10 +342,8 @@ def candidate_memory(profile: ModelProfile, plan, *, update: str, remat: Sequenc
     zero = update == "zero" and sizes.get("batch", 1) > 1
     stored = layouts.memory_per_device(plan, optimizer_slots=optimizer_slots,
                                        shard_optimizer_state=zero)
-    compute_dims = {w.path: (w.compute_dims if w.compute_dims is not None else w.dims)
-                    for w in plan.weights}
-    gradients = sum(w.bytes_total // layouts._split(compute_dims[w.path], sizes)  # pylint: disable=protected-access
-                    for w in plan.weights)
+    compute_dims = _compute_dims(plan)
+    gradients = _gradient_bytes(plan)
     gathered = stored["gathered_in_step"]
     if remat and gathered:  # remat gathers a block's weights again and drops them with it
         in_blocks = _remat_weights(profile, remat)
@@ -352,8 +373,7 @@ def _model_axis_ms(profile: ModelProfile, plan, machine: MachineCalibration, row
     m = sizes.get("model", 1)
     if m <= 1:
         return 0.0
-    dims_of = {w.path: (w.compute_dims if w.compute_dims is not None else w.dims)
-               for w in plan.weights}
+    dims_of = _compute_dims(plan)
     total = 0.0
     for layer in profile.layers:
         kernel = _kernel(layer)
@@ -402,9 +422,7 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
         # each more microbatch gathers again: measured on batch=D, scaled by what is gathered
         ms += (k - 1) * step.fsdp_microbatch_ms * gathered / max(full, 1)
     if k > 1:  # the loop's cost, and DTensor reduces every microbatch's gradients (dtk.steps)
-        grads = sum(w.bytes_total // layouts._split(  # pylint: disable=protected-access
-            w.compute_dims if w.compute_dims is not None else w.dims, sizes) for w in plan.weights)
-        ms += (k - 1) * (step.microbatch_ms + 2 * machine.gather_ms(b, grads))
+        ms += (k - 1) * (step.microbatch_ms + 2 * machine.gather_ms(b, _gradient_bytes(plan)))
     return ms
 
 
@@ -763,6 +781,9 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
     from dtk import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer; got {global_batch_size!r}")
+    if devices is not None and (not isinstance(devices, int) or devices < 1):
+        raise ValueError(f"devices must be a positive integer (the mesh's device count); got "
+                         f"{devices!r}")
     if device_memory_gb is not None and not device_memory_gb > 0:
         raise ValueError(f"device_memory_gb must be positive; got {device_memory_gb!r}")
     table = layouts.load_table(table or "data_parallel")
@@ -773,6 +794,12 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
     profile = profile_model(model_factory, input_shape, input_dtype=input_dtype)
     input_shape, input_dtype = profile.input_shape, profile.input_dtype
     num_classes = num_classes or profile.outputs
+    names = {part for layer in profile.layers for part in layer.name.split("/")}
+    for pattern in remat_patterns:
+        if not any(re.fullmatch(pattern, name) for name in names):
+            raise ValueError(
+                f"remat_patterns: {pattern!r} matches no layer of the model (layers: "
+                f"{sorted(names)[:8]}...); name the model's blocks, as for TrainerConfig(remat=...)")
     common = {"devices": devices, "global_batch_size": global_batch_size,
               "budget_bytes": budget, "remat_patterns": remat_patterns}
     if machine is None or step is None:

@@ -120,11 +120,7 @@ def _setup():
             global_batch_size=FLAGS.global_batch_size)
         if FLAGS.explain_plan:
             return None, None, table, factory, None, None, auto_plan
-        chosen = auto_plan.chosen.config
-        FLAGS.mesh = chosen["mesh"]
-        FLAGS.fsdp = chosen["fsdp"]
-        FLAGS.remat = ["blocks"] if chosen["remat"] else []
-        FLAGS.grad_accum = chosen["gradient_accumulation_steps"]
+        cli.apply_plan(FLAGS, auto_plan)
     try:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
         if dtk.BATCH_AXIS not in spec.axis_names:
@@ -241,9 +237,7 @@ def run() -> dict:
         "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
         "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,
-        "auto_plan": auto_plan and {"chosen": auto_plan.chosen.label,
-                                    "predicted_ms_per_step": auto_plan.chosen.predicted_ms,
-                                    "bytes_per_device": auto_plan.chosen.memory},
+        "auto_plan": cli.plan_summary(auto_plan),
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
         "train_loss": history.history.get("loss", []),

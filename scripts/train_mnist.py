@@ -98,11 +98,7 @@ def _plan(dtk, table):
         optimizer=(FLAGS.optimizer or model_spec.optimizer).lower(),
         global_batch_size=FLAGS.global_batch_size)
     if FLAGS.mesh == cli.AUTO_MESH:
-        chosen = plan.chosen.config
-        FLAGS.mesh = chosen["mesh"]
-        FLAGS.fsdp = chosen["fsdp"]
-        FLAGS.remat = ["blocks"] if chosen["remat"] else []
-        FLAGS.grad_accum = chosen["gradient_accumulation_steps"]
+        cli.apply_plan(FLAGS, plan)
     return plan, dtk.parse_mesh_spec(FLAGS.mesh)
 
 
@@ -226,9 +222,7 @@ def run() -> dict:
     timing = trainer.timing
     cli.keep_until_exit(train, test)  # no time spent tearing them down
     return {
-        "auto_plan": auto_plan and {"chosen": auto_plan.chosen.label,
-                                    "predicted_ms_per_step": auto_plan.chosen.predicted_ms,
-                                    "bytes_per_device": auto_plan.chosen.memory},
+        "auto_plan": cli.plan_summary(auto_plan),
         "mesh": str(spec), "device_type": mesh.device_type(),
         "num_clients": dtk.cluster.num_clients(), "model": FLAGS.model, "layout": table.name,
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,

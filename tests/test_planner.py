@@ -122,6 +122,21 @@ def test_bad_arguments_are_named():
         _plan(batch=0)
     with pytest.raises(ValueError, match="device_memory_gb must be positive; got -1"):
         _plan(gb=-1)
+    with pytest.raises(ValueError, match="devices must be a positive integer .*; got 0"):
+        _plan(devices=0)
+    with pytest.raises(ValueError, match="remat_patterns: 'blocks' matches no layer"):
+        planner.plan(LM, devices=8, global_batch_size=16, table="transformer_lm",
+                     input_shape=(16,), input_dtype="int32", remat_patterns=("blocks",),
+                     machine=MACHINE, step=STEP)
+
+
+def test_layers_called_through_their_own_kernels_are_counted():
+    """An LSTM never calls its cell (its fused kernel runs instead): the LSTM itself counts."""
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    profile = planner.profile_model(lambda: tf_keras.Sequential([
+        tf_keras.Input((12, 8)), tf_keras.layers.LSTM(32, name="lstm"),
+        tf_keras.layers.Dense(10, name="out")]))
+    assert [(l.name, l.out_elements) for l in profile.layers] == [("lstm", 32), ("out", 10)]
 
 
 def test_model_axis_collectives_are_counted_from_the_table():
