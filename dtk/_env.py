@@ -58,6 +58,37 @@ def apply_safe_defaults() -> None:
         )
 
 
+# glibc's malloc: large blocks always mmapped (returned to the system when freed), two arenas.
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX")
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt() parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 256 << 10
+ARENA_MAX = 2
+
+
+def apply_malloc_defaults() -> bool:
+    """Makes glibc give large freed blocks back to the system; returns whether it applied.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to 32
+    MiB), after which blocks of that size come from its heaps, and freed ones stay resident for
+    reuse, one heap per thread group. TensorFlow's CPU tensors are such blocks: a training
+    client's resident memory then holds every size of weight, gradient and optimizer temporary
+    it ever freed. Measured (issue 24's LM, 772.7 MiB of weights, 4 clients x 2 CPUs,
+    ``batch=1,model=8``): peak RSS per client 2,588 MiB by default, 1,985 MiB with a fixed
+    threshold of 256 KiB, 1,952 MiB with two arenas as well (a 4 MiB threshold: 2,217 MiB, since
+    activations and shards of 0.25-4 MiB then stay in the heaps). A user who sets glibc's own variables
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``) keeps them. Not glibc: nothing happens.
+    """
+    if any(name in os.environ for name in MALLOC_ENV):
+        return False
+    try:
+        import ctypes  # pylint: disable=import-outside-toplevel
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and mallopt(_M_ARENA_MAX, ARENA_MAX))
+
+
 def combine_all_reduces_disabled() -> bool:
     """True when the all-reduce combining optimization is off in this process."""
     return os.environ.get(COMBINE_ALL_REDUCES_ENV, "1").strip().lower() in ("0", "false")

@@ -601,9 +601,10 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                          f"{sorted(targets)[:4]} of the laid-out build are not in the plain build; "
                          "the factory must build the same model every time")
     _check_layouts_follow_plan(model, plan, mesh)
-    fsdp_lib.adapt_variables(weight_paths(model), {
-        w.path: dtensor.Layout([d or dtensor.UNSHARDED for d in w.compute_dims], mesh)
-        for w in plan.weights if w.compute_dims is not None})
+    if fsdp_lib.adapt_variables(weight_paths(model), {
+            w.path: dtensor.Layout([d or dtensor.UNSHARDED for d in w.compute_dims], mesh)
+            for w in plan.weights if w.compute_dims is not None}):
+        fsdp_lib.schedule(model)
     # What the factory compiled the model with, read from the plain build (the laid-out build's
     # optimizer holds placeholder values): dtk.Trainer trains with it when given none.
     model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access

@@ -77,7 +77,7 @@ def _rematerialized(call):
         def forward(*flat):
             # The recomputation runs inside tape.gradient: the same draws, and FSDP weights
             # gathered again, as in the first pass.
-            with randomness.replay(state), fsdp.gather_scope(gathering):
+            with randomness.replay(state), fsdp.gather_scope(gathering), fsdp.gather_after(flat):
                 out = call(*rebuild(flat)[0], **rebuild(flat)[1])
                 after["calls"] = dict(randomness._state.calls)  # pylint: disable=protected-access
             return out

@@ -270,14 +270,18 @@ class Steps:
             # Random layers draw for this step (the counter before its update): the same masks
             # on every mesh, and again after a resume (dtk.randomness). FSDP weights are read
             # gathered (dtk.fsdp).
-            with fsdp.gather_scope():
+            with fsdp.gather_scope(), fsdp.recording() as gathered:
                 predictions = self.model(features, training=True)
             self._warn_uncovered_random_ops()
             total, _ = self._weighted_loss(labels, predictions, weights)
             loss = self._normalized(total, count)
             if self.model.losses:
                 loss = loss + tf.add_n(self.model.losses) * extra_losses_scale
+        mark = fsdp.graph_mark()
         grads = tape.gradient(loss, variables)
+        # The backward pass gathers FSDP weights again rather than holding the forward's.
+        grads = fsdp.own_buffers(grads, variables)
+        fsdp.regather_for_backward(gathered, mark, {id(v): g for v, g in zip(variables, grads)})
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
