@@ -17,7 +17,6 @@ from dtk import _env
 from dtk._version import __version__
 
 _env.apply_safe_defaults()
-_env.apply_malloc_defaults()
 
 # public name -> module that defines it
 _EXPORTS = {

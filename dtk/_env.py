@@ -63,6 +63,8 @@ MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX")
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt() parameters (malloc.h)
 MMAP_THRESHOLD_BYTES = 256 << 10
 ARENA_MAX = 2
+# Models whose weights take at least this much per device get those settings (build_model).
+LARGE_MODEL_BYTES_PER_DEVICE = 32 << 20
 
 
 def apply_malloc_defaults() -> bool:
@@ -75,7 +77,13 @@ def apply_malloc_defaults() -> bool:
     it ever freed. Measured (issue 24's LM, 772.7 MiB of weights, 4 clients x 2 CPUs,
     ``batch=1,model=8``): peak RSS per client 2,588 MiB by default, 1,985 MiB with a fixed
     threshold of 256 KiB, 1,952 MiB with two arenas as well (a 4 MiB threshold: 2,217 MiB, since
-    activations and shards of 0.25-4 MiB then stay in the heaps). A user who sets glibc's own variables
+    activations and shards of 0.25-4 MiB then stay in the heaps).
+
+    It costs time where blocks are small and steps short (each block of 256 KiB or more is then
+    mapped and faulted in anew): the LM of dim 128 on ``batch=8`` went from 391 to 559 ms/step.
+    So ``build_model`` applies it only to models whose weights take
+    ``LARGE_MODEL_BYTES_PER_DEVICE`` or more per device, where memory is what limits the run and
+    steps take seconds. A user who sets glibc's own variables
     (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``) keeps them. Not glibc: nothing happens.
     """
     if any(name in os.environ for name in MALLOC_ENV):

@@ -10,26 +10,30 @@ of the memory they took, and the optimizer update is sharded with no second copy
 For compute, the forward pass reads each weight through a gather: inside ``gather_scope`` (which
 dtk's train, eval and predict steps enter) a read of such a weight returns it relayouted to the
 table's layout, an all-gather over the batch axis. DTensor differentiates the relayout into the
-weight's own layout, so each gradient arrives sharded (a reduce-scatter) and the update touches
-only the local slice. Outside the scope (the optimizer, checkpoints, ``global_value``) a read
-returns the stored shards.
+weight's own layout, so each gradient arrives sharded (on CPU: the full-size partial sums are
+all-reduced and each device keeps its slice) and the update touches only the local slice.
+Outside the scope (the optimizer, checkpoints, ``global_value``) a read returns the stored shards.
 
 A weight with no dim that the batch axis divides (a bias of 10 on ``batch=8``) stays replicated
 over it; the plan lists them in one warning with their bytes.
 
-When the gathers run, and how long the gathered weights live, is scheduled as in PyTorch's
-FSDP2 (``reshard_after_forward``), so that a step holds about one layer's gathered weights, not
-the whole model's:
+When the gathers run, and how long gathered weights and full-size gradients live, is scheduled
+as in PyTorch's FSDP2 (``reshard_after_forward``), so that a step holds a few layers' worth of
+full-size tensors, not the whole model's. Each item below was measured; without it the 772.7 MiB
+LM of issue 24 on ``batch=8`` (4 clients x 2 CPUs) peaked at 4.7 GB per client, with all three
+at 2.27 GB:
 
-* Each layer's gathers wait for the layer's inputs (a control dependency on them,
-  ``gather_after``): without it the executor starts every gather when the step starts, since
-  reads depend on nothing, and the step holds all gathered weights at once (+1.5 GB per client
-  for the 772.7 MiB LM on ``batch=8``).
+* Each layer's gathers wait for the layer's inputs (``gather_after``, a control dependency on
+  the read: DTensor drops control inputs of the Relayout it lowers). Otherwise the executor
+  starts every gather when the step starts, since reads depend on nothing.
 * The backward pass gathers again (``regather_for_backward``): the gradient ops that read a
-  gathered weight (a MatMul's input gradient) are rewired to a fresh gather that waits for the
-  gradient arriving at them, so the forward pass's gathered weights are freed after their
-  forward use instead of being held until the backward pass. The gradient of the gather itself
-  stays a reduce-scatter.
+  gathered weight (a MatMul's input gradient) are rewired to a fresh gather that waits, by data,
+  for the gradient arriving at them (a zero computed from it, as ``tf.recompute_grad`` does; a
+  plain second read would be merged with the forward's), and for the previous layer's
+  finished gradient. The forward pass's gathered weights are then freed after their forward use.
+* Each sharded gradient gets a buffer of its own (``own_buffer``): the slice a device keeps is
+  a view of the full-size sum, and the update would otherwise keep that view, and with it the
+  full-size buffer, in the variable.
 
 With ``remat`` a block's recomputation gathers again as well (inside ``tf.recompute_grad``).
 """
