@@ -165,8 +165,8 @@ def recording() -> Iterator[list]:
 
 
 def graph_mark() -> int:
-    """The id the next op of the current graph gets after this call (ops made later have a
-    larger one): marks where the backward pass begins."""
+    """The largest op id of the current graph: ops made later have larger ones, so taken
+    between the forward and the backward pass it tells the two apart."""
     graph = tf.compat.v1.get_default_graph()
     return max(graph._nodes_by_id, default=0)  # pylint: disable=protected-access
 

@@ -560,8 +560,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         _log.warning("layouts: %s", warning)
     if sum(w.bytes_per_device for w in plan.weights) >= _env.LARGE_MODEL_BYTES_PER_DEVICE:
         if _env.apply_malloc_defaults():  # before the weights, their gradients and state exist
-            _log.info("layouts: a large model: freed blocks of 256 KiB or more go back to the "
-                      "system (glibc mallopt; dtk/_env.py)")
+            _log.info("layouts: a large model: freed blocks of %d KiB or more go back to the "
+                      "system (glibc mallopt; dtk/_env.py)", _env.MMAP_THRESHOLD_BYTES >> 10)
     tf_keras.utils.set_random_seed(seed)
     layout_map = _PlannedLayoutMap(plan, mesh)
     # Random layers of the laid-out model (Dropout) need tf.random.Generator, which DTensor

@@ -76,7 +76,8 @@ def _rematerialized(call):
         @tf.recompute_grad
         def forward(*flat):
             # The recomputation runs inside tape.gradient: the same draws, and FSDP weights
-            # gathered again, as in the first pass.
+            # gathered again, as in the first pass, once the recomputation's inputs (which wait
+            # for the incoming gradient) exist.
             with randomness.replay(state), fsdp.gather_scope(gathering), fsdp.gather_after(flat):
                 out = call(*rebuild(flat)[0], **rebuild(flat)[1])
                 after["calls"] = dict(randomness._state.calls)  # pylint: disable=protected-access

@@ -277,11 +277,11 @@ class Steps:
             loss = self._normalized(total, count)
             if self.model.losses:
                 loss = loss + tf.add_n(self.model.losses) * extra_losses_scale
-        mark = fsdp.graph_mark()
+        mark = fsdp.graph_mark() if gathered else 0
         grads = tape.gradient(loss, variables)
-        # The backward pass gathers FSDP weights again rather than holding the forward's.
-        grads = fsdp.own_buffers(grads, variables)
-        fsdp.regather_for_backward(gathered, mark, {id(v): g for v, g in zip(variables, grads)})
+        if gathered:  # FSDP: the backward pass gathers again rather than hold the forward's
+            grads = fsdp.own_buffers(grads, variables)
+            fsdp.regather_for_backward(gathered, mark, {id(v): g for v, g in zip(variables, grads)})
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
