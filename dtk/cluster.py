@@ -264,7 +264,7 @@ def coordination_timeouts(*, register_timeout_s: float | None = None,
 
 
 # -- leaving ---------------------------------------------------------------------------------------
-EXIT_WAIT_S = 5.0
+EXIT_WAIT_S = 30.0  # a client starved of CPU (4 processes on 2 cores) can lag seconds
 
 
 def exit_process(status: int, *, wait_s: float = EXIT_WAIT_S) -> None:
@@ -275,7 +275,8 @@ def exit_process(status: int, *, wait_s: float = EXIT_WAIT_S) -> None:
     Python's ``atexit`` handlers still run (dtk's checkpoint lock is released). In a multi-client
     run the lead client hosts the coordination service, so it leaves last: every other client
     posts its exit status and leaves, and the lead waits for those posts (at most ``wait_s``
-    seconds; a client that died has already been reported by the launcher) before it leaves.
+    seconds, long enough for a client starved of CPU; a client that died has already been
+    reported by the launcher, which stops the group) before it leaves.
     Measured with 2 clients: the group is gone 0.12-0.22 s after its last line, against
     1.1-2.3 s with the normal teardown.
     """

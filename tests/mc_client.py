@@ -137,3 +137,7 @@ if client == 0 and os.environ.get("MC_OUT"):
 resumed = getattr(trainer._checkpointer, "restored", None)  # pylint: disable=protected-access
 print("DONE", history.history["loss"], "sharded update:", trainer.steps.shard_optimizer_state,
       "resumed from:", resumed and os.path.basename(resumed), flush=True)
+# Leave as dtk's scripts do (non-lead clients first, the lead last): TensorFlow's own teardown
+# lets the lead take the coordination service away from a client that is still shutting down.
+from dtk import cluster  # noqa: E402
+cluster.exit_process(0)
