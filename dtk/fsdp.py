@@ -19,9 +19,9 @@ over it; the plan lists them in one warning with their bytes.
 
 When the gathers run, and how long gathered weights and full-size gradients live, is scheduled
 as in PyTorch's FSDP2 (``reshard_after_forward``), so that a step holds a few layers' worth of
-full-size tensors, not the whole model's. Each item below was measured; without it the 772.7 MiB
-LM of issue 24 on ``batch=8`` (4 clients x 2 CPUs) peaked at 4.7 GB per client, with all three
-at 2.27 GB:
+full-size tensors, not the whole model's. Each item below was measured; without them the 772.7
+MiB LM of issue 24 on ``batch=8`` (4 clients x 2 CPUs) peaked at 4.7 GB per client, with all
+three at 2.27 GB:
 
 * Each layer's gathers wait for the layer's inputs (``gather_after``, a control dependency on
   the read: DTensor drops control inputs of the Relayout it lowers). Otherwise the executor
@@ -36,6 +36,11 @@ at 2.27 GB:
   full-size buffer, in the variable.
 
 With ``remat`` a block's recomputation gathers again as well (inside ``tf.recompute_grad``).
+
+Where a Dense or EinsumDense layer's activations are smaller than its kernel (wide layers, few
+tokens), the kernel is not gathered at all: the layer multiplies by its shards and gathers the
+activations instead (``_activation_gathered``). With it, the LM above peaks at 2.07 GB per
+client.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Iterator
 
@@ -134,10 +140,13 @@ def schedule(model) -> int:
     Returns:
       The number of layers scheduled (every layer, nested ones included, and the model).
     """
+    import tf_keras  # pylint: disable=g-import-not-at-top
     count = 0
     for layer in model._flatten_layers(include_self=True):  # pylint: disable=protected-access
         if getattr(layer, "_dtk_fsdp_scheduled", False):
             continue
+        if isinstance(layer, (tf_keras.layers.Dense, tf_keras.layers.EinsumDense)):
+            layer.call = _activation_gathered(layer, layer.call)
         layer.call = _after_inputs(layer.call)
         layer._dtk_fsdp_scheduled = True  # pylint: disable=protected-access
         count += 1
@@ -152,6 +161,104 @@ def _after_inputs(call):
         with gather_after((args, kwargs)):
             return call(*args, **kwargs)
     return wrapped
+
+
+def _activation_gathered(layer, call):
+    """A Dense or EinsumDense layer's call that gathers its inputs instead of its kernel, where
+    that moves less.
+
+    With the kernel stored sharded over an axis on a dim that the layer contracts with the
+    inputs (the FSDP shards of a kernel the table replicates: ``[axis, unsharded]`` for a
+    Dense), each device multiplies its block of that input dim, for the tokens of all devices
+    (an all-gather of the activations), by its shard of the kernel, and the partial products
+    are summed over the axis (an all-reduce of the outputs). DTensor differentiates that into a
+    weight gradient that each device computes as its own shard (no full-size gradient, no
+    reduction) and an input gradient from its shard of the kernel: no device ever holds the
+    whole kernel. It moves the activations, ``T * (in + out)`` values for ``T`` tokens in the
+    global batch, instead of the ``in * out`` of the kernel: less for wide layers and short
+    batches (the LM of issue 24, dim 2048 with 256 tokens: a sixth for its MLP). Otherwise, and
+    for inputs that are not a dense tensor, the kernel is gathered as every other weight is.
+    """
+
+    @functools.wraps(call)
+    def wrapped(inputs, *args, **kwargs):
+        plan = _activation_plan(layer, inputs) if _scope.active and not args and not kwargs \
+            else None
+        if plan is None:
+            return call(inputs, *args, **kwargs)
+        axis, mesh, contracted, output_shape, input_perm, kernel_perm = plan
+        if inputs.dtype.base_dtype != layer._compute_dtype_object.base_dtype:  # pylint: disable=protected-access
+            inputs = tf.cast(inputs, layer._compute_dtype_object)  # pylint: disable=protected-access
+        with gather_scope(False):
+            kernel = tf.convert_to_tensor(layer.kernel)  # the stored shards (cast under autocast)
+        # As a matmul of [tokens, contracted] by [contracted, outputs], with the kernel's sharded
+        # dim moved first among the contracted ones, so that the reshapes keep it sharded.
+        if input_perm is not None:
+            inputs, kernel = tf.transpose(inputs, input_perm), tf.transpose(kernel, kernel_perm)
+        rows = tf.reshape(inputs, [-1, contracted])
+        rows = dtensor.relayout(rows, dtensor.Layout([dtensor.UNSHARDED, axis], mesh))
+        outputs = tf.matmul(rows, tf.reshape(kernel, [contracted, -1]))  # partial sums: all-reduced
+        outputs = dtensor.relayout(outputs, dtensor.Layout([axis, dtensor.UNSHARDED], mesh))
+        outputs = tf.reshape(outputs, output_shape)
+        if getattr(layer, "bias", None) is not None:
+            outputs = outputs + layer.bias
+        if layer.activation is not None:
+            outputs = layer.activation(outputs)
+        return outputs
+
+    return wrapped
+
+
+def _activation_plan(layer, inputs):
+    """``(axis, mesh, contracted size, output shape)`` when ``layer`` should gather ``inputs``
+    instead of its kernel (see ``_activation_gathered``), else None.
+
+    The layer must multiply inputs ``[tokens..., contracted...]`` by a kernel ``[contracted...,
+    outputs...]`` (a Dense; an EinsumDense such as attention's projections, ``abc,cde->abde``
+    and ``abcd,cde->abe``) whose shards are cut on one contracted dim, over one axis.
+    """
+    kernel = getattr(layer, "kernel", None)
+    kernel = getattr(kernel, "_variable", kernel)
+    if not isinstance(kernel, GatheredVariable) or not isinstance(inputs, tf.Tensor):
+        return None
+    rank = inputs.shape.rank
+    if not inputs.dtype.is_floating or not inputs.shape.is_fully_defined() or rank < 2:
+        return None
+    stored, compute = kernel.layout, kernel._dtk_compute_layout  # pylint: disable=protected-access
+    sharded = [(d, a) for d, a in enumerate(stored.sharding_specs) if a != dtensor.UNSHARDED]
+    if not compute.is_fully_replicated() or len(sharded) != 1:
+        return None
+    dim, axis = sharded[0]
+    if hasattr(layer, "equation"):  # EinsumDense
+        if "..." in layer.equation or "->" not in layer.equation:
+            return None
+        ins, out = layer.equation.split("->")
+        spec_in, spec_kernel = ins.split(",")
+    else:  # Dense
+        spec_in, spec_kernel, out = "abcdefgh"[:rank - 1] + "y", "yz", "abcdefgh"[:rank - 1] + "z"
+    if len(spec_in) != rank or len(spec_kernel) != kernel.shape.rank:
+        return None
+    # Contracted: a suffix of the inputs and a prefix of the kernel; the rest pass through.
+    n = len(spec_kernel) - len(set(spec_kernel) - set(spec_in))
+    tokens, contracted, kept = spec_in[:rank - n], spec_in[rank - n:], spec_kernel[n:]
+    if n < 1 or spec_kernel[:n] != contracted or out != tokens + kept or not tokens:
+        return None
+    if dim >= n:
+        return None  # the kernel is sharded on an output dim
+    shape = inputs.shape.as_list()
+    contracted_size = math.prod(shape[rank - n:])
+    outputs = math.prod(shape[:rank - n]) * math.prod(kernel.shape.as_list()[n:])
+    if shape[0] % stored.mesh.dim_size(axis):
+        return None
+    if inputs.shape.num_elements() + outputs >= kernel.shape.num_elements():
+        return None  # gathering the kernel moves less
+    input_perm = kernel_perm = None
+    if dim:  # attention's output projection (heads, head_dim, dim), sharded on head_dim
+        order = [dim] + [d for d in range(n) if d != dim]
+        input_perm = list(range(rank - n)) + [rank - n + d for d in order]
+        kernel_perm = order + list(range(n, kernel.shape.rank))
+    return (axis, stored.mesh, contracted_size, shape[:rank - n] + kernel.shape.as_list()[n:],
+            input_perm, kernel_perm)
 
 
 @contextlib.contextmanager
@@ -277,10 +384,12 @@ def own_buffer(tensor: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.cast(tensor, tf.float64), tensor.dtype)
 
 
-def own_buffers(grads, variables) -> list:
-    """FSDP weights' gradients in buffers of their own (``own_buffer``)."""
-    return [own_buffer(g) if g is not None and isinstance(getattr(v, "_variable", v),
-                                                         GatheredVariable) else g
+def own_buffers(grads, variables, records) -> list:
+    """The gradients of the weights gathered in ``records`` in buffers of their own
+    (``own_buffer``). A kernel multiplied by its shards (``_activation_gathered``) gets its
+    gradient computed as its shard: in a buffer of its own already."""
+    gathered = {id(getattr(variable, "_variable", variable)) for _, variable in records}
+    return [own_buffer(g) if g is not None and id(getattr(v, "_variable", v)) in gathered else g
             for g, v in zip(grads, variables)]
 
 

@@ -280,7 +280,7 @@ class Steps:
         mark = fsdp.graph_mark() if gathered else 0
         grads = tape.gradient(loss, variables)
         if gathered:  # FSDP: the backward pass gathers again rather than hold the forward's
-            grads = fsdp.own_buffers(grads, variables)
+            grads = fsdp.own_buffers(grads, variables, gathered)
             fsdp.regather_for_backward(gathered, mark, {id(v): g for v, g in zip(variables, grads)})
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
