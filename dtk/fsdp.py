@@ -199,7 +199,9 @@ def _activation_gathered(layer, call):
         rows = dtensor.relayout(rows, dtensor.Layout([dtensor.UNSHARDED, axis], mesh))
         outputs = tf.matmul(rows, tf.reshape(kernel, [contracted, -1]))  # partial sums: all-reduced
         outputs = dtensor.relayout(outputs, dtensor.Layout([axis, dtensor.UNSHARDED], mesh))
-        outputs = tf.reshape(outputs, output_shape)
+        # Each device's rows are a view of the all-reduced sum of all rows (``own_buffer``): a
+        # copy frees the sum now, not when the backward pass is done with what reads the rows.
+        outputs = tf.reshape(own_buffer(outputs), output_shape)
         if getattr(layer, "bias", None) is not None:
             outputs = outputs + layer.bias
         if layer.activation is not None:
