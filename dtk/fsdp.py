@@ -39,7 +39,7 @@ With ``remat`` a block's recomputation gathers again as well (inside ``tf.recomp
 
 Where a Dense or EinsumDense layer's activations are smaller than its kernel (wide layers, few
 tokens), the kernel is not gathered at all: the layer multiplies by its shards and gathers the
-activations instead (``_activation_gathered``). With it, the LM above peaks at 2.07 GB per
+activations instead (``_activation_gathered``). With it, the LM above peaks at 1.99 GB per
 client.
 """
 
