@@ -158,18 +158,23 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
     return metric
 
 
+def check_metrics_form(metrics: Any) -> None:
+    """Refuses Keras' per-output dict of metrics, before anything is built."""
+    if isinstance(metrics, dict):
+        raise TypeError("metrics must be a name, a metric, or a list of them; a dict (Keras' "
+                        "per-output form) is not supported: dtk models have one output")
+
+
 def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtensor.Mesh
                  ) -> list[tf_keras.metrics.Metric]:
     """``make_metric`` for each; one metric (a name or an instance) or None work too, as in Keras'
     ``compile``. Names must be unique, since they key the logs."""
     mesh = as_mesh(mesh, "mesh")
+    check_metrics_form(metrics)
     if metrics is None:
         metrics = []
     elif isinstance(metrics, (str, tf_keras.metrics.Metric)):
         metrics = [metrics]
-    elif isinstance(metrics, dict):
-        raise TypeError("metrics must be a name, a metric, or a list of them; a dict (Keras' "
-                        "per-output form) is not supported: dtk models have one output")
     made = [make_metric(m, mesh) for m in metrics]
     names = [m.name for m in made]
     duplicates = sorted({n for n in names if names.count(n) > 1} | ({"loss"} & set(names)))

@@ -40,6 +40,7 @@ from dtk.errors import first_line
 from dtk import layouts as layouts_lib
 from dtk import mesh as mesh_lib
 from dtk import op_support
+from dtk import optimizers as optimizers_lib
 from dtk import resume as resume_lib
 from dtk import keras_check
 from dtk.input import DataSource, DistributedDataset
@@ -249,6 +250,7 @@ class Trainer:
         self.layout_plan = None
         mesh_lib.check_batch_axis(mesh, config.batch_axis, what="TrainerConfig.batch_axis")
         keras_check.require_keras2(model, "model")
+        optimizers_lib.check_metrics_form(metrics)  # before the model is built
         if config.verbose:
             _ensure_console_logging()
         if isinstance(model, tf_keras.Model):
