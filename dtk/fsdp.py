@@ -51,6 +51,7 @@ import functools
 import math
 import threading
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -186,22 +187,23 @@ def _activation_gathered(layer, call):
             else None
         if plan is None:
             return call(inputs, *args, **kwargs)
-        axis, mesh, contracted, output_shape, input_perm, kernel_perm = plan
+        axis, mesh = plan.axis, plan.mesh
         if inputs.dtype.base_dtype != layer._compute_dtype_object.base_dtype:  # pylint: disable=protected-access
             inputs = tf.cast(inputs, layer._compute_dtype_object)  # pylint: disable=protected-access
         with gather_scope(False):
             kernel = tf.convert_to_tensor(layer.kernel)  # the stored shards (cast under autocast)
         # As a matmul of [tokens, contracted] by [contracted, outputs], with the kernel's sharded
         # dim moved first among the contracted ones, so that the reshapes keep it sharded.
-        if input_perm is not None:
-            inputs, kernel = tf.transpose(inputs, input_perm), tf.transpose(kernel, kernel_perm)
-        rows = tf.reshape(inputs, [-1, contracted])
+        if plan.input_perm is not None:
+            inputs = tf.transpose(inputs, plan.input_perm)
+            kernel = tf.transpose(kernel, plan.kernel_perm)
+        rows = tf.reshape(inputs, [-1, plan.contracted])
         rows = dtensor.relayout(rows, dtensor.Layout([dtensor.UNSHARDED, axis], mesh))
-        outputs = tf.matmul(rows, tf.reshape(kernel, [contracted, -1]))  # partial sums: all-reduced
+        outputs = tf.matmul(rows, tf.reshape(kernel, [plan.contracted, -1]))  # partial sums
         outputs = dtensor.relayout(outputs, dtensor.Layout([axis, dtensor.UNSHARDED], mesh))
         # Each device's rows are a view of the all-reduced sum of all rows (``own_buffer``): a
         # copy frees the sum now, not when the backward pass is done with what reads the rows.
-        outputs = tf.reshape(own_buffer(outputs), output_shape)
+        outputs = tf.reshape(own_buffer(outputs), plan.output_shape)
         if getattr(layer, "bias", None) is not None:
             outputs = outputs + layer.bias
         if layer.activation is not None:
@@ -211,9 +213,18 @@ def _activation_gathered(layer, call):
     return wrapped
 
 
-def _activation_plan(layer, inputs):
-    """``(axis, mesh, contracted size, output shape)`` when ``layer`` should gather ``inputs``
-    instead of its kernel (see ``_activation_gathered``), else None.
+class _ActivationPlan(NamedTuple):
+    axis: str  # the mesh axis the kernel's shards are cut over
+    mesh: dtensor.Mesh
+    contracted: int  # the size of the contracted dims, together
+    output_shape: list[int]
+    input_perm: list[int] | None  # transposes moving the kernel's sharded dim first
+    kernel_perm: list[int] | None
+
+
+def _activation_plan(layer, inputs) -> _ActivationPlan | None:
+    """How ``layer`` gathers ``inputs`` instead of its kernel (see ``_activation_gathered``),
+    or None where it should gather its kernel.
 
     The layer must multiply inputs ``[tokens..., contracted...]`` by a kernel ``[contracted...,
     outputs...]`` (a Dense; an EinsumDense such as attention's projections, ``abc,cde->abde``
@@ -259,8 +270,8 @@ def _activation_plan(layer, inputs):
         order = [dim] + [d for d in range(n) if d != dim]
         input_perm = list(range(rank - n)) + [rank - n + d for d in order]
         kernel_perm = order + list(range(n, kernel.shape.rank))
-    return (axis, stored.mesh, contracted_size, shape[:rank - n] + kernel.shape.as_list()[n:],
-            input_perm, kernel_perm)
+    return _ActivationPlan(axis, stored.mesh, contracted_size,
+                           shape[:rank - n] + kernel.shape.as_list()[n:], input_perm, kernel_perm)
 
 
 @contextlib.contextmanager

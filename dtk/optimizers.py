@@ -161,8 +161,10 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
 def check_metrics_form(metrics: Any) -> None:
     """Refuses Keras' per-output dict of metrics, before anything is built."""
     if isinstance(metrics, dict):
-        raise TypeError("metrics must be a name, a metric, or a list of them; a dict (Keras' "
-                        "per-output form) is not supported: dtk models have one output")
+        raise TypeError("metrics must be a name, a metric, or a list of them; got a dict with "
+                        f"keys {sorted(map(str, metrics))} (Keras' per-output form), which dtk "
+                        "does not support: dtk models have one output. Pass the list, e.g. "
+                        "metrics=['accuracy']")
 
 
 def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtensor.Mesh

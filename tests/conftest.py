@@ -105,8 +105,10 @@ def pytest_collection_modifyitems(config, items):
     if marked and os.environ.get("DTK_REQUIRE_FULL_MNIST") == "1":
         raise pytest.UsageError(f"{len(marked)} tests need the full MNIST files at {FULL_MNIST}, "
                                 "which are missing (DTK_REQUIRE_FULL_MNIST=1)")
-    skip = pytest.mark.skip(reason=f"needs the full MNIST IDX files at {FULL_MNIST} (not in a "
-                                   "fresh clone); the rest of the suite runs on the bundled sample")
+    skip = pytest.mark.skip(reason=(
+        f"needs MNIST's IDX gz files (t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz and "
+        f"the train-* pair) at {FULL_MNIST}, which a fresh clone does not ship; put them there to "
+        "run these accuracy checks. The rest of the suite runs on the bundled sample"))
     for item in marked:
         item.add_marker(skip)
 
