@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
@@ -612,6 +613,11 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # What the factory compiled the model with, read from the plain build (the laid-out build's
     # optimizer holds placeholder values): dtk.Trainer trains with it when given none.
     model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access
+    if getattr(model, "optimizer", None) is not None:
+        # The optimizer the factory compiled under the layout scope holds variables that were
+        # never given values (its iteration count): a checkpoint of the model would fail on
+        # them. dtk.Trainer puts the mesh-bound optimizer it trains with in its place.
+        model.optimizer = None
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
     for line in [*op_support.adapt_layers(model), *randomness.adapt_layers(model, seed=seed)]:
@@ -630,10 +636,29 @@ def compiled_settings(model: tf_keras.Model) -> dict[str, Any]:
     optimizer = getattr(model, "optimizer", None)
     return {
         "loss": getattr(model, "loss", None) if getattr(model, "compiled_loss", None) else None,
-        "optimizer": (type(optimizer), optimizer.get_config()) if optimizer is not None else None,
+        "optimizer": (type(optimizer), _optimizer_config(optimizer)) if optimizer is not None
+        else None,
         "metrics": list(getattr(getattr(model, "compiled_metrics", None), "_user_metrics", None)
                         or []) or None,
     }
+
+
+def _optimizer_config(optimizer) -> dict[str, Any]:
+    """The optimizer's config, with its learning rate as the factory set it.
+
+    The reference model is built with lazy variables (``dtk.materialize``), and so is the
+    optimizer its factory compiled: its learning-rate variable has no storage, and ``get_config``
+    reads it as an empty array, which a rebuilt optimizer then multiplies into every update
+    ("Dimensions must be equal, but are 32 and 0"). The variable's initial value is the rate.
+    """
+    config = optimizer.get_config()
+    rate = getattr(optimizer, "_learning_rate", None)
+    if isinstance(rate, tf.Variable) and not isinstance(config.get("learning_rate"), dict):
+        value = np.asarray(config.get("learning_rate"))
+        if value.size != 1:
+            value = materialize.initial_value(rate)
+        config["learning_rate"] = float(value)
+    return config
 
 
 def _check_layouts_follow_plan(model: tf_keras.Model, plan: LayoutPlan,

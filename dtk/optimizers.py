@@ -45,7 +45,6 @@ _UNSUPPORTED_OPTIMIZERS = {
 }
 
 METRICS: dict[str, str] = {
-    "accuracy": "SparseCategoricalAccuracy",
     "sparse_categorical_accuracy": "SparseCategoricalAccuracy",
     "top5": "SparseTopKCategoricalAccuracy",
     "sparse_top_k_categorical_accuracy": "SparseTopKCategoricalAccuracy",
@@ -131,18 +130,59 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
     return optimizer
 
 
+# Names Keras resolves from the shapes of the labels and predictions (compile_utils'
+# MetricsContainer): binary, sparse categorical or categorical, as the first batch shows.
+_RESOLVED = {"accuracy": ("binary_accuracy", "sparse_categorical_accuracy",
+                          "categorical_accuracy"),
+             "crossentropy": ("binary_crossentropy", "sparse_categorical_crossentropy",
+                              "categorical_crossentropy")}
+_RESOLVED.update(acc=_RESOLVED["accuracy"], ce=_RESOLVED["crossentropy"])
+
+
+def resolved_metric_fn(key: str) -> Callable:
+    """Keras's ``"accuracy"`` (``"acc"``, ``"crossentropy"``, ``"ce"``): the binary, sparse or
+    categorical function, chosen when traced from the static shapes as ``Model.compile`` does.
+
+    Predictions with a last dim of 1 are binary; labels of lower rank than the predictions, or
+    with a last dim of 1 against several classes, are class ids (sparse); else one-hot labels.
+    """
+    names = _RESOLVED[key]
+
+    def resolved(y_true, y_pred):
+        t_shape, p_shape = y_true.shape.as_list(), y_pred.shape.as_list()
+        if p_shape[-1] == 1:
+            name = names[0]
+        elif len(t_shape) < len(p_shape) or (t_shape[-1] == 1 and p_shape[-1] > 1):
+            name = names[1]
+        else:
+            name = names[2]
+        return getattr(tf_keras.metrics, name)(y_true, y_pred)
+
+    resolved.__name__ = key
+    return resolved
+
+
 def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metric:
-    """Returns a metric bound to ``mesh`` (see ``make_optimizer`` for why)."""
+    """Returns a metric bound to ``mesh`` (see ``make_optimizer`` for why).
+
+    ``"accuracy"``/``"acc"`` and ``"crossentropy"``/``"ce"`` mean what they mean in
+    ``Model.compile``: the binary, sparse or categorical variant, chosen from the shapes of the
+    labels and predictions (``resolved_metric_fn``).
+    """
     require_keras2(metric, "metric")
     if isinstance(metric, str):
         key = metric.strip().lower()
+        if key in _RESOLVED:
+            return tf_keras.metrics.MeanMetricWrapper(resolved_metric_fn(key), name=key,
+                                                      mesh=mesh)
         class_name = METRICS.get(key)
         candidate = getattr(tf_keras.metrics, metric, None)
         if class_name is None and isinstance(candidate, type) and issubclass(
                 candidate, tf_keras.metrics.Metric):
             class_name = metric
         if class_name is None:
-            raise ValueError(f"metric {metric!r} is unknown; use one of {', '.join(sorted(METRICS))} "
+            raise ValueError(f"metric {metric!r} is unknown; use one of "
+                             f"{', '.join(sorted([*METRICS, *_RESOLVED]))} "
                              "or a tf_keras.metrics class name, or pass an instance created with "
                              "mesh=mesh")
         name = key if key in METRICS else None

@@ -264,7 +264,9 @@ class Steps:
 
     def _forward_backward(self, batch, count, variables, extra_losses_scale=1.0):
         """Loss (weighted sum over ``batch``, divided by the whole batch's ``count``) and its
-        gradients, with the predictions for the metrics."""
+        gradients, with the predictions for the metrics and the model's own losses
+        (regularization, ``add_loss``; scaled by ``extra_losses_scale``), which Keras adds to
+        the loss it reports."""
         features, labels, weights = batch
         with tf.GradientTape() as tape:
             # Random layers draw for this step (the counter before its update): the same masks
@@ -275,8 +277,8 @@ class Steps:
             self._warn_uncovered_random_ops()
             total, _ = self._weighted_loss(labels, predictions, weights)
             loss = self._normalized(total, count)
-            if self.model.losses:
-                loss = loss + tf.add_n(self.model.losses) * extra_losses_scale
+            penalty = self._model_losses() * extra_losses_scale
+            loss = loss + penalty
         mark = fsdp.graph_mark() if gathered else 0
         grads = tape.gradient(loss, variables)
         if gathered:  # FSDP: the backward pass gathers again rather than hold the forward's
@@ -285,7 +287,13 @@ class Steps:
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        return total, grads, predictions
+        return total, grads, predictions, penalty
+
+    def _model_losses(self):
+        """The sum of the model's own losses of this call (a float32 scalar; 0 when none)."""
+        if not self.model.losses:
+            return _scalar_zero(self.mesh)
+        return tf.cast(tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]), tf.float32)
 
     def _train_body(self, batch):
         features, labels, weights = batch
@@ -294,11 +302,13 @@ class Steps:
         k = self.config.gradient_accumulation_steps
         with randomness.step_scope(self.optimizer.iterations.read_value()):
             if k == 1:
-                total, grads, predictions = self._forward_backward(batch, count, variables)
+                total, grads, predictions, penalty = self._forward_backward(batch, count,
+                                                                            variables)
             else:
-                total, grads = self._accumulate(batch, count, variables, k)
+                total, grads, penalty = self._accumulate(batch, count, variables, k)
                 predictions = None
-        loss = self._normalized(total, count)
+        # The reported loss is Keras's: the data loss plus the model's regularization losses.
+        loss = self._normalized(total, count) + penalty
 
         def update():
             if self._masters is None:
@@ -338,16 +348,18 @@ class Steps:
         def body(j, total, *acc):
             micro = tuple(tf.gather(t, j, axis=1) for t in parts)
             with randomness.microbatch_scope(k, j):
-                part_total, grads, predictions = self._forward_backward(
+                part_total, grads, predictions, part_penalty = self._forward_backward(
                     micro, count, variables, extra_losses_scale=1.0 / k)
             for metric in self.metrics:
                 metric.update_state(micro[1], predictions, sample_weight=micro[2])
-            return (j + 1, total + part_total, *[a + g for a, g in zip(acc, grads)])
+            return (j + 1, total + part_total, penalty + part_penalty,
+                    *[a + g for a, g in zip(acc, grads)])
 
         zero = tf.zeros_like(count)
         acc = [tf.zeros_like(v.read_value()) for v in variables]
-        out = tf.while_loop(lambda j, *_: j < k, body, (tf.constant(0), zero, *acc))
-        return out[1], list(out[2:])
+        out = tf.while_loop(lambda j, *_: j < k, body,
+                            (tf.constant(0), zero, _scalar_zero(self.mesh), *acc))
+        return out[1], list(out[3:]), out[2]
 
     def _warn_uncovered_random_ops(self):
         # Once per Steps: random ops of the forward pass that dtk.randomness did not build (a
@@ -383,8 +395,9 @@ class Steps:
         features, labels, weights = batch
         with fsdp.gather_scope():
             predictions = self.model(features, training=False)
+            penalty = self._model_losses()
         total, count = self._weighted_loss(labels, predictions, weights)
-        loss = self._normalized(total, count)
+        loss = self._normalized(total, count) + penalty
         self._update_metrics(loss, count, labels, predictions, weights)
         return loss
 

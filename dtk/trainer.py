@@ -285,6 +285,8 @@ class Trainer:
         self.steps = Steps(self.model, loss=loss, optimizer=optimizer, metrics=metrics, mesh=mesh,
                            config=config.step_config())
         self.optimizer = self.steps.optimizer
+        if (getattr(self.model, "_dtk_compiled", None) or {}).get("optimizer") is not None:
+            self.model.optimizer = self.optimizer  # as after compile(): the one that trains it
         self.timing = Timing()
         self.history = History()
         self._auto = None
@@ -672,6 +674,14 @@ def _compiled_or_given(model, mesh, *, loss, optimizer, metrics):
             chosen[name] = given[name]
         elif compiled.get(name) is not None:
             chosen[name] = compiled[name]
+            if name == "loss" and isinstance(compiled[name], str):
+                # Keras's meaning of the name (probabilities unless from_logits is set), not
+                # dtk's shorthand for its own logit models (dtk.make_loss).
+                try:
+                    chosen[name] = tf_keras.losses.get(compiled[name])
+                except ValueError as e:
+                    raise ValueError(f"the model was compiled with loss {compiled[name]!r}, which "
+                                     f"tf_keras does not know: {e}") from e
             if name == "optimizer":
                 cls, config = compiled[name]
                 if issubclass(cls, tf_keras.optimizers.legacy.Optimizer) or not issubclass(

@@ -67,7 +67,9 @@ def _starts_processes(item, cache: dict) -> bool:
     return bool(names & cache[module])
 
 
-# The time budget of a test in the fast lane (not marked slow): over it, the run fails.
+# The time budget of a test in the fast lane (not marked slow): over it, the run reports the test
+# (a warning, never a failure: a busy machine is not a defect of the code; speed targets live in
+# scripts/bench*.py).
 FAST_TEST_BUDGET_S = float(os.environ.get("DTK_FAST_TEST_BUDGET_S", "20"))
 _over_budget: list[tuple[str, float]] = []
 
@@ -122,14 +124,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A fast-lane test over budget fails a fast-lane run (``-m "not slow"``): mark it slow, or
-    make it faster. In the whole suite, where the slow tests load both cores, it is reported."""
+    """Reports fast-lane tests over budget (mark them slow, or make them faster); the exit status
+    is left as it is: timing is measured, never asserted (issue 39)."""
     del exitstatus
     if _over_budget and not hasattr(session.config, "workerinput"):
         lines = "\n".join(f"  {t:.1f} s  {n}" for n, t in _over_budget)
-        fast_lane = session.config.getoption("markexpr", "").replace(" ", "") == "notslow"
-        print(f"\n{'error' if fast_lane else 'warning'}: tests not marked slow took more than "
-              f"{FAST_TEST_BUDGET_S:.0f} s (BUILD.md, 'Test budget'); mark them "
-              f"@pytest.mark.slow or make them faster:\n{lines}")
-        if fast_lane:
-            session.exitstatus = 1
+        print(f"\nwarning: tests not marked slow took more than {FAST_TEST_BUDGET_S:.0f} s "
+              "(BUILD.md, 'Test budget'; a loaded machine can cause it); if they do on an idle "
+              f"machine, mark them @pytest.mark.slow or make them faster:\n{lines}")
