@@ -294,7 +294,38 @@ def exit_process(status: int, *, wait_s: float = EXIT_WAIT_S) -> None:
         os._exit(status)  # pylint: disable=protected-access
 
 
+_LEFT = False  # this process has left its multi-client group (_leave_group ran)
+
+
+def leave_group_at_exit() -> None:
+    """Makes the interpreter's normal exit leave the multi-client group cleanly.
+
+    Called once the process has joined the cluster (``dtk.build_mesh``). A user's script ends
+    through Python's own exit, not ``exit_process``; TensorFlow's teardown then lets the lead
+    take the coordination service away while another client is still shutting down, which
+    prints "Failed to send RPC to coordination service" lines that read as a crash. At exit,
+    the clients leave in ``exit_process``'s order instead: every other client posts that it is
+    done (and silences what TensorFlow prints while it tears down), and the lead waits for the
+    posts before its own teardown. The exit status is the script's.
+    """
+    import atexit  # pylint: disable=g-import-not-at-top
+    if is_multi_client():
+        atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    import sys  # pylint: disable=g-import-not-at-top
+    failed = getattr(sys, "last_value", None) is not None  # an uncaught exception was printed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _leave_group(1 if failed else 0, EXIT_WAIT_S)
+
+
 def _leave_group(status: int, wait_s: float) -> None:
+    global _LEFT  # pylint: disable=global-statement
+    if _LEFT:
+        return
+    _LEFT = True
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
     ctx = context.context()
     if ctx.coordination_service is None:  # the cluster was never joined

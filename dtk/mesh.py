@@ -250,6 +250,7 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
     try:
         with cluster.coordination_timeouts():
             dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+        cluster.leave_group_at_exit()
     except tf.errors.OpError as e:
         raise RuntimeError(
             f"DTensor client {client_id()} of {num_clients()} could not join the cluster "

@@ -7,7 +7,9 @@ MC_SCALE=1 reads the data in scale mode (each client its half); MC_INFO_DIR=dir 
 interfaces, TCP ports listening in its network namespace, DTENSOR_JOBS); MC_SLOW=s sleeps s seconds
 after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation; MC_SHARD=1/0 turns the sharded update on/off; MC_MESH=spec (default batch=8); MC_ASYNC=1/0 saves asynchronously or not; MC_KILL_IN_SAVE=N kills client 1 inside the save of step N (with MC_MARKER); MC_SKEW_AUTO=1 makes the steps_per_execution="auto" calibration see stacked
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
-(stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3).
+(stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3); MC_MODEL=lm
+trains the transformer LM with dropout instead of the MLP; MC_PLAIN_EXIT=1 ends without
+dtk.cluster.exit_process, as a user's script does.
 """
 
 import functools
@@ -84,8 +86,20 @@ if os.environ.get("MC_SHARD"):  # MC_SHARD=1/0: the sharded (ZeRO) update on/off
     MEMORY["shard_optimizer_state"] = os.environ["MC_SHARD"] == "1"
 # With dropout: 2 clients x 4 match one process, and a killed group resumes to the same numbers,
 # only if the masks do not depend on the client count (dtk.randomness).
-trainer = dtk.Trainer(mesh=mesh, model=functools.partial(dtk.models.mnist_mlp, dropout=0.2),
-                      layout="data_parallel",
+# MC_MODEL=lm: the byte-level transformer LM with dropout 0.1 (transformer_lm table) on MC_MESH.
+if os.environ.get("MC_MODEL") == "lm":
+    tokens = rng.integers(0, 64, (128, 17))
+    data = tf.data.Dataset.from_tensor_slices((tokens[:, :-1].astype(np.int32),
+                                               tokens[:, 1:].astype(np.int64)))
+    train = input_lib.DistributedDataset(
+        data, mesh, input_lib.InputConfig(global_batch_size=16, shuffle=True, seed=1))
+    MODEL = functools.partial(dtk.models.transformer_lm, vocab=64, seq_len=16, dim=32, heads=8,
+                              layers=1, dropout=0.1)
+    LAYOUT = "transformer_lm"
+else:
+    MODEL = functools.partial(dtk.models.mnist_mlp, dropout=0.2)
+    LAYOUT = "data_parallel"
+trainer = dtk.Trainer(mesh=mesh, model=MODEL, layout=LAYOUT,
                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
                       config=dtk.TrainerConfig(seed=int(os.environ.get("MC_SEED", "0")),
                                                checkpoint_dir=os.environ.get("MC_CKPT") or None,
@@ -137,7 +151,8 @@ if client == 0 and os.environ.get("MC_OUT"):
 resumed = getattr(trainer._checkpointer, "restored", None)  # pylint: disable=protected-access
 print("DONE", history.history["loss"], "sharded update:", trainer.steps.shard_optimizer_state,
       "resumed from:", resumed and os.path.basename(resumed), flush=True)
-# Leave as dtk's scripts do (non-lead clients first, the lead last): TensorFlow's own teardown
-# lets the lead take the coordination service away from a client that is still shutting down.
-from dtk import cluster  # noqa: E402
-cluster.exit_process(0)
+# MC_PLAIN_EXIT=1: end as a user's script does, through the interpreter's normal exit (dtk leaves
+# the group at exit: dtk.cluster.leave_group_at_exit); otherwise as dtk's scripts do.
+if not os.environ.get("MC_PLAIN_EXIT"):
+    from dtk import cluster  # noqa: E402
+    cluster.exit_process(0)

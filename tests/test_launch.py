@@ -56,17 +56,35 @@ def single_process(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def test_lm_with_dropout_on_two_clients_matches_one_device(tmp_path):
+    """The transformer LM with dropout 0.1 on 2 clients x 4 (batch=2,model=4) equals one process
+    on batch=1, to the parity tolerance: the masks do not depend on the clients or the mesh."""
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    env = dict(MC_MODEL="lm", MC_EPOCHS="2")
+    res = subprocess.run([sys.executable, CLIENT], capture_output=True, text=True, timeout=TIMEOUT,
+                         env=procs.base_env(MC_OUT=str(one), MC_MESH="batch=1", **env),
+                         cwd=procs.REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
+                     CLIENT, env=procs.base_env(MC_OUT=str(two), MC_MESH="batch=2,model=4", **env))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    want, got = json.loads(one.read_text()), json.loads(two.read_text())
+    assert len(got["loss"]) == 2
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+
+
 def test_two_clients_match_one_process(tmp_path, single_process):
     """Also: steps_per_execution="auto" measures differently on the two clients (MC_SKEW_AUTO);
     they stack alike (client 0's choice), or the collectives would not match and the run hang.
-    The update is sharded across the clients by default. With TensorFlow's C++ log shown
-    (--verbose), the clean run's exit prints no error: no client talks to a coordination service
-    that is gone ("Failed to send RPC", "unhealthy")."""
+    The update is sharded across the clients by default. The client ends as a user's script
+    does (MC_PLAIN_EXIT: no dtk.cluster.exit_process, the interpreter's own exit). With
+    TensorFlow's C++ log shown (--verbose), the clean run's exit prints no error: no client talks
+    to a coordination service that is gone ("Failed to send RPC", "unhealthy")."""
     out = tmp_path / "losses.json"
     res, _ = _launch("--verbose", "--num_clients", "2", "--devices_per_client", "4", "--",
                      sys.executable, CLIENT,
                      env=procs.base_env(MC_OUT=str(out), MC_SKEW_AUTO="1", MC_EPOCHS="5",
-                                        TF_CPP_MIN_LOG_LEVEL="0"))
+                                        TF_CPP_MIN_LOG_LEVEL="0", MC_PLAIN_EXIT="1"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[client 0] DONE" in res.stdout and "[client 1] DONE" in res.stdout
     assert res.stdout.count("sharded update: True") == 2
