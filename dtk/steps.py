@@ -345,7 +345,7 @@ class Steps:
 
         parts = tuple(split(t) for t in batch)
 
-        def body(j, total, *acc):
+        def body(j, total, penalty, *acc):
             micro = tuple(tf.gather(t, j, axis=1) for t in parts)
             with randomness.microbatch_scope(k, j):
                 part_total, grads, predictions, part_penalty = self._forward_backward(

@@ -76,6 +76,34 @@ DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("dtk_batch8_zero_spe", "dtk
                                                      "dtk_batch1_model8") and "fsdp" not in v
                     and "remat" not in v]
 WORKER_TIMEOUT_S = 300
+# --device gpu|tpu (scripts/accelerator_check.py): the variants run on the machine's accelerators;
+# the meshes named for 8 devices are scaled to their number N (batch=8 -> batch=N, batch=4,model=2
+# -> batch=N/2,model=2). The workers read the choice from this variable.
+DEVICE_ENV = "DTK_BENCH_DEVICE"
+
+
+def _device() -> str:
+    return os.environ.get(DEVICE_ENV, "cpu")
+
+
+def _devices(dtk) -> None:
+    """8 virtual CPUs on a CPU machine; the real accelerators otherwise."""
+    if _device() == "cpu":
+        dtk.configure_virtual_cpus(8)
+
+
+def _mesh(dtk, spec: str):
+    """``spec`` as written for 8 devices, scaled to the accelerators under --device gpu|tpu."""
+    if _device() == "cpu":
+        return dtk.build_mesh(spec)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    n = len(tf.config.list_physical_devices(_device().upper()))
+    sizes = dict(part.split("=") for part in spec.split(","))
+    model = int(sizes.get("model", 1))
+    if n % model:
+        raise SystemExit(f"mesh {spec} needs a multiple of {model} devices; this machine has {n}")
+    scaled = f"batch={n // model}" + (f",model={model}" if "model" in sizes else "")
+    return dtk.build_mesh(scaled, device_type=_device())
 
 
 # -- worker (one variant, one process) ------------------------------------------------------------
@@ -163,7 +191,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     y = rng.integers(0, 10, (spe, batch)).astype(np.int64)
     w = np.ones((spe, batch), np.float32)
     if variant != "floor" and variant != "keras_fit":
-        dtk.configure_virtual_cpus(8)
+        _devices(dtk)
     tf_keras.utils.set_random_seed(0)
     loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -172,8 +200,10 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         xb, yb = tf.constant(x[0]), tf.constant(y[0])
         first, times = _timed(lambda: step(xb, yb), steps)
     elif variant in ("keras_fit", "mirrored_fit"):
-        strategy = (tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
-                    if variant == "mirrored_fit" else tf.distribute.get_strategy())
+        strategy = tf.distribute.get_strategy()
+        if variant == "mirrored_fit":
+            strategy = (tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(8)])
+                        if _device() == "cpu" else tf.distribute.MirroredStrategy())
         with strategy.scope():
             model = _model(tf_keras, hidden)
             model.compile(optimizer=tf_keras.optimizers.Adam(), loss=loss_obj,
@@ -194,7 +224,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         from dtk import layouts  # pylint: disable=g-import-not-at-top
         mesh_spec, table = (("batch=4,model=2", "mlp_model_parallel")
                             if variant.startswith("dtk_batch4_model2") else ("batch=8", "data_parallel"))
-        mesh = dtk.build_mesh(mesh_spec)
+        mesh = _mesh(dtk, mesh_spec)
         start = time.perf_counter()
         model, _ = layouts.build_model(lambda: _model(tf_keras, hidden), mesh,
                                        layouts.load_table(table), seed=0, fsdp="_fsdp" in variant)
@@ -244,7 +274,7 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     x = rng.integers(0, 256, (batch, seq)).astype(np.int32)
     y = rng.integers(0, 256, (batch, seq)).astype(np.int64)
     if variant != "floor":
-        dtk.configure_virtual_cpus(8)
+        _devices(dtk)
     tf_keras.utils.set_random_seed(0)
     start = time.perf_counter()
     if variant == "floor":
@@ -254,7 +284,7 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         xb, yb = tf.constant(x), tf.constant(y)
         first, times = _timed(lambda: step(xb, yb), steps)
     else:
-        mesh = dtk.build_mesh(MESHES.get(variant, "batch=8"))
+        mesh = _mesh(dtk, MESHES.get(variant, "batch=8"))
         model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
                                        fsdp="_fsdp" in variant)
         if spec.get("keras_rng"):  # undo dtk.randomness: Keras's generator, per-device draws
@@ -469,6 +499,9 @@ def main() -> int:
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (matplotlib)")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the pieces of one step in one process instead")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu", "tpu"),
+                        help="cpu: 8 virtual CPUs; gpu/tpu: the machine's accelerators (meshes "
+                        "scaled to their number; scripts/accelerator_check.py)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -482,6 +515,7 @@ def main() -> int:
         for workload in workloads:
             _print_breakdown(workload, args.steps or int(2.5 * WORKLOADS[workload]["steps"]))
         return 0
+    os.environ[DEVICE_ENV] = args.device  # the workers inherit it
     if args.worker:
         print(json.dumps(_worker(args.worker, workloads[0],
                                  args.steps or WORKLOADS[workloads[0]]["steps"])))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -222,3 +224,23 @@ def test_failed_save_names_its_cause():
                      "{{function_node __inference_save_fn_3}} /ckpt/ckpt-47_temp/part-0.data; No "
                      "space left on device\n  (1) RESOURCE_EXHAUSTED: ...")
     assert first_line(e) == "RESOURCE_EXHAUSTED: /ckpt/ckpt-47_temp/part-0.data; No space left on device"
+
+
+def test_accelerator_check_says_cpu_only_in_one_line_and_exits_0():
+    """The accelerator lane (scripts/accelerator_check.py) on a CPU-only machine: one line, 0."""
+    res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "accelerator_check.py")],
+                         capture_output=True, text=True, timeout=180, cwd=procs.REPO,
+                         env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().count("\n") == 0 and "no GPU or TPU" in res.stdout, res.stdout
+
+
+def test_accelerator_check_meshes():
+    import importlib.util  # pylint: disable=g-import-not-at-top
+    spec = importlib.util.spec_from_file_location(
+        "accelerator_check", procs.REPO / "scripts" / "accelerator_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._meshes(1) == ["batch=1"]  # pylint: disable=protected-access
+    assert module._meshes(2) == ["batch=1", "batch=2", "batch=1,model=2"]  # pylint: disable=protected-access
+    assert module._meshes(8) == ["batch=1", "batch=8", "batch=4,model=2"]  # pylint: disable=protected-access

@@ -134,3 +134,35 @@ def test_train_lm_learns_and_generates(tmp_path):
     assert s["heldout_bits_per_byte"] < s["unigram_bits_per_byte"] - 0.3
     assert s["sample"].startswith("def main(") and len(s["sample"].encode()) >= 29
     assert "held-out" in res.stdout and "bits/byte" in res.stdout and "tokens/s" in res.stdout
+
+
+def _train_lm(tmp_path, name, *flags):
+    summary = tmp_path / f"{name}.json"
+    res = subprocess.run(
+        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--steps", "20",
+         "--eval_every", "10", "--eval_batches", "2", "--sample_bytes", "0", "--seq_len", "64",
+         "--layers", "1", "--dropout", "0.1", "--summary_json", str(summary), *flags],
+        capture_output=True, text=True, timeout=400, cwd=procs.REPO,
+        env=procs.base_env(DTK_PLAN_CACHE=str(tmp_path / "plan_cache.json")))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads(summary.read_text())
+
+
+@pytest.mark.slow
+def test_train_lm_mesh_auto_equals_its_plan_given_by_hand(tmp_path):
+    """``--mesh auto`` (with dropout 0.1) trains with the plan it reports: the
+    same plan given by hand gives the same losses (1e-6), and batch=1 the same to the parity
+    tolerance (1e-5)."""
+    auto = _train_lm(tmp_path, "auto", "--mesh", "auto")
+    plan = auto["auto_plan"]
+    assert plan and plan["chosen"].split()[0] == auto["mesh"], plan
+    by_hand = ["--mesh", auto["mesh"], "--grad_accum", str(auto["grad_accum"]),
+               "--fsdp" if auto["fsdp"] else "--nofsdp"]
+    if auto["remat_layers"]:
+        by_hand += ["--remat", "blocks"]
+    if "zero" not in plan["chosen"].split()[1:]:
+        by_hand.append("--noshard_optimizer_state")
+    given = _train_lm(tmp_path, "given", *by_hand)
+    np.testing.assert_allclose(auto["train_loss"], given["train_loss"], rtol=1e-6)
+    one = _train_lm(tmp_path, "one", "--mesh", "batch=1")
+    np.testing.assert_allclose(auto["train_loss"], one["train_loss"], rtol=1e-5)
