@@ -205,11 +205,83 @@ def check_all() -> None:
         raise ValueError(f"{PORT_BASE}={port} is not a TCP port; set 1024-65535 or unset it")
     get_flag(OFFLINE)
     get_flag(GRAPPLER)
+    for name in (PLAN_CACHE, BLAMED_FILE, READY_FILE):  # files dtk writes: checked up front
+        path = get_str(name)
+        problem = path and path_problem(path, kind="file")
+        if problem:
+            raise ValueError(f"{name}={problem}, or unset it")
+    if get_str(PLAN_CACHE):
+        _check_plan_cache(os.path.abspath(os.path.expanduser(get_str(PLAN_CACHE))))
     for directory in (get_str(LAYOUTS_DIR) or "").split(":"):
         if directory and not os.path.isdir(directory):
             raise ValueError(f"{LAYOUTS_DIR}={get_str(LAYOUTS_DIR)!r}: {directory!r} is not a "
                              "directory; give directories of .toml tables separated by ':', or "
                              "unset it")
+
+
+def path_problem(path: str, *, kind: str) -> str | None:
+    """Why ``path`` cannot be written as a file (``kind="file"``) or a directory
+    (``kind="dir"``), with the fix; None when it can (it exists, or can be created with every
+    missing parent).
+
+    The check creates and removes a probe directory in the nearest existing ancestor rather than
+    reading permission bits: root passes every ``os.access`` test, and ``/proc`` or a read-only
+    mount say "writable" by their bits, yet refuse a write. A dangling symbolic link or a link
+    loop is named as such.
+    """
+    import tempfile  # pylint: disable=g-import-not-at-top
+    if kind not in ("dir", "file"):
+        raise ValueError(f"kind must be 'dir' or 'file'; got {kind!r}")
+    trailing_slash = path.endswith(os.sep)
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.islink(path) and not os.path.exists(path):
+        return (f"{path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist (or "
+                "is a link loop); remove the link or give another path")
+    if kind == "file":
+        if os.path.isdir(path) or trailing_slash:
+            return (f"{path!r} is a directory; give a file path, e.g. "
+                    f"{os.path.join(path, 'summary.json')}")
+        directory = os.path.dirname(path)
+    else:
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{path!r} is a file; give a directory"
+        directory = path
+    ancestor = directory
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return (f"{path!r} cannot be created: {ancestor!r} is a file, where a directory should "
+                "be; give another path")
+    try:
+        probe = tempfile.mkdtemp(prefix=".dtk-write-check-", dir=ancestor)
+        os.rmdir(probe)
+    except OSError as e:
+        return (f"{path!r} is not writable: creating an entry in {ancestor!r} failed "
+                f"({os.strerror(e.errno) if e.errno else e}); give a writable path")
+    if kind == "file" and os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{path!r} is not writable; give a writable path"
+    return None
+
+
+# Keys of the planner's cache file (dtk.planner): what makes a file dtk's own.
+PLAN_CACHE_KEY_PREFIXES = ("machine/", "step/")
+
+
+def _check_plan_cache(path: str) -> None:
+    """The plan cache must be dtk's (or new): the planner rewrites the whole file."""
+    import json  # pylint: disable=g-import-not-at-top
+    if os.path.isfile(path) and os.path.getsize(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or not all(
+                isinstance(k, str) and k.startswith(PLAN_CACHE_KEY_PREFIXES) for k in data):
+            raise ValueError(
+                f"{PLAN_CACHE}={path!r} is an existing file that is not dtk's plan cache; the "
+                "planner would overwrite it. Point it to a new file (or dtk's own cache), or "
+                "unset it for the default ~/.cache/dtk/plan.json")
 
 
 def import_tensorflow_quietly() -> None:

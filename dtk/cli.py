@@ -186,8 +186,9 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
                     global_batch_size: int):
     """Runs the planner for ``--mesh auto`` / ``--explain_plan`` over every device this run has.
 
-    Returns the ``dtk.planner.Plan``. ``--fsdp``, ``--remat`` and ``--grad_accum`` are the
-    planner's to choose under ``--mesh auto``: given too, they are a usage error.
+    Returns the ``dtk.planner.Plan``. ``--fsdp``, ``--remat``, ``--grad_accum`` and the update
+    (``--noshard_optimizer_state``) are the planner's to choose under ``--mesh auto``: given
+    too, they are a usage error (a plan that reports ``zero`` must be what runs).
 
     Raises:
       UsageError: conflicting flags, or no plan fits (the planner's arithmetic and fix).
@@ -196,7 +197,9 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
     if values("mesh") == AUTO_MESH:
         given = [f"--{n}" for n, chosen in (("fsdp", bool(values("fsdp"))),
                                              ("remat", bool(values("remat"))),
-                                             ("grad_accum", (values("grad_accum") or 1) != 1))
+                                             ("grad_accum", (values("grad_accum") or 1) != 1),
+                                             ("noshard_optimizer_state",
+                                              values("shard_optimizer_state") is False))
                  if chosen]
         if given:
             raise UsageError(f"--mesh auto chooses {', '.join(given)} itself; drop "
@@ -245,32 +248,9 @@ def check_output_path(flag: str, path: str, *, kind: str) -> None:
     Raises:
       UsageError: naming the flag, the path, what stands in the way, and the fix.
     """
-    if kind not in ("dir", "file"):
-        raise ValueError(f"kind must be 'dir' or 'file'; got {kind!r}")
-    trailing_slash = path.endswith(os.sep)
-    path = os.path.abspath(os.path.expanduser(path))
-    if kind == "file":
-        if os.path.isdir(path) or trailing_slash:
-            raise UsageError(f"--{flag} {path!r} is a directory; give a file path, e.g. "
-                             f"{os.path.join(path, 'summary.json')}")
-        directory = os.path.dirname(path)
-    else:
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise UsageError(f"--{flag} {path!r} is a file; give a directory")
-        directory = path
-    ancestor = directory
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise UsageError(f"--{flag} {path!r} cannot be created: {ancestor!r} is a file, where a "
-                         "directory should be; give another path")
-    try:
-        probe = tempfile.mkdtemp(prefix=".dtk-write-check-", dir=ancestor)
-        os.rmdir(probe)
-    except OSError as e:
-        raise UsageError(f"--{flag} {path!r} is not writable: creating an entry in {ancestor!r} "
-                         f"failed ({os.strerror(e.errno) if e.errno else e}); give a writable "
-                         "path") from None
+    problem = _env.path_problem(path, kind=kind)
+    if problem:
+        raise UsageError(f"--{flag} {problem}")
 
 
 def write_json(path: str, value: Any) -> None:

@@ -553,16 +553,27 @@ def _cached(path: str, key: str, refresh: bool) -> dict | None:
 
 
 def _store_cache(path: str, key: str, value: dict) -> None:
+    """Adds ``key`` to the cache file, atomically; never over a file that is not dtk's cache
+    (``_env.check_all`` refuses that before any work; a library call is told here)."""
     data = _load_cache(path)
+    if os.path.isdir(path) or (os.path.isfile(path) and os.path.getsize(path) and not data) or \
+            not all(k.startswith(_env.PLAN_CACHE_KEY_PREFIXES) for k in data):
+        _log.warning("plan: %s is not dtk's plan cache (a directory or another file); the "
+                     "calibration is not cached there, and the file is left as it is", path)
+        return
     data[key] = value
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home: measure again next time
         _log.info("plan: could not cache the calibration in %s (%s)", path, e)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def calibrate_machine(device_type: str, devices: int, *, cache: str | None = None,

@@ -257,6 +257,14 @@ class Trainer:
             if layout is not None:
                 raise ValueError("layout applies only when model is a factory; a built model already "
                                  "has its layouts. Pass the factory (e.g. dtk.models.mnist_mlp)")
+            ignored = [name for name, value in (("TrainerConfig.fsdp", config.fsdp),
+                                                 ("input_shape", input_shape)) if value]
+            if ignored:
+                raise ValueError(
+                    f"{' and '.join(ignored)} apply only when model is a factory: model "
+                    f"{model.name!r} is already built, with its weights laid out, and would "
+                    "train without them. Pass the model factory (dtk builds it with them), or "
+                    "drop them")
             if not _is_laid_out(model):
                 raise ValueError(
                     f"model {model.name!r} is a plain (not laid-out) tf_keras model: its weights "
@@ -387,6 +395,7 @@ class Trainer:
             seed=self.config.seed, optimizer=self.optimizer, model=self.model, data=train_data,
             mesh=",".join(f"{k}={v}" for k, v in mesh_lib.mesh_axis_sizes(self.mesh).items()),
             num_clients=cluster.num_clients(), extra=self.config.settings)
+        self._check_allow_change()  # a typo is refused now, not at a resume runs later
         epoch, skip = self._resume(steps_per_epoch)
         dropped = train_data.num_dropped
         if dropped and self.config.verbose and cluster.is_lead_client():
@@ -554,6 +563,25 @@ class Trainer:
                       state["epoch"] + 1, state["batch_in_epoch"], self.global_step)
         return int(state["epoch"]), int(state["batch_in_epoch"])
 
+    def _check_allow_change(self) -> None:
+        """Every name in ``allow_change`` is a setting this run records (on a fresh run too).
+
+        Raises:
+          ValueError: naming the unknown names and the recorded settings closest to them.
+        """
+        unknown = [name for name in self.config.allow_change
+                   if not any(resume_lib.is_allowed(k, [name]) for k in self._settings)]
+        if not unknown:
+            return
+        import difflib  # pylint: disable=g-import-not-at-top
+        close = sorted({m for name in unknown
+                        for m in difflib.get_close_matches(name, list(self._settings), n=3,
+                                                           cutoff=0.5)})
+        hint = (f"closest recorded settings: {', '.join(close)}" if close else
+                f"this run records {len(self._settings)} settings (dtk.resume.settings)")
+        raise ValueError(f"allow_change (--allow_change) names setting(s) {unknown} that this run "
+                         f"does not record; {hint}. Give recorded names, or drop them")
+
     def _check_settings(self, saved: dict[str, Any] | None) -> None:
         """Refuses a resume whose settings differ from the checkpoint's, unless allowed."""
         restored = self._checkpointer.restored
@@ -561,11 +589,6 @@ class Trainer:
             _log.warning("checkpoint %s records no run settings (written by an older dtk): "
                          "changed flags cannot be detected on this resume", restored)
             return
-        unknown = [name for name in self.config.allow_change
-                   if not any(resume_lib.is_allowed(k, [name]) for k in self._settings)]
-        if unknown:
-            raise ValueError(f"allow_change names setting(s) {unknown} that this run does not "
-                             f"record; the settings are: {', '.join(sorted(self._settings))}")
         diff = resume_lib.changes(saved, self._settings)
         refused = {k: v for k, v in diff.items() if k not in resume_lib.FREE_KEYS
                    and not resume_lib.is_allowed(k, self.config.allow_change)}

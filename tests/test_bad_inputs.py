@@ -311,6 +311,18 @@ API_CASES = [  # (id, call, exception, phrase)
      "split 'validation' is not one of train, test"),
     ("mnist source", lambda: mnist.load_mnist("test", source="web"), ValueError,
      "source 'web' is not one of tfds, idx, sample"),
+    # Issue 41: settings a built model cannot honour are refused, not silently dropped.
+    ("fsdp with a built model", lambda: _trainer(
+        model=layouts.build_model(dtk.models.mnist_mlp, _mesh(), "data_parallel", seed=0)[0],
+        config=dtk.TrainerConfig(fsdp=True, verbose=0)), ValueError,
+     "TrainerConfig.fsdp apply only when model is a factory"),
+    ("input_shape with a built model", lambda: _trainer(
+        model=layouts.build_model(dtk.models.mnist_mlp, _mesh(), "data_parallel", seed=0)[0],
+        input_shape=(28, 28, 1)), ValueError, "input_shape apply only when model is a factory"),
+    ("allow_change typo on a fresh run", lambda: _trainer(
+        config=dtk.TrainerConfig(verbose=0, allow_change=("learning_rat",))).fit(
+            _data(), epochs=1), ValueError,
+     "allow_change (--allow_change) names setting(s) ['learning_rat']"),
 ]
 
 

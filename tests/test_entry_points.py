@@ -9,6 +9,7 @@ process), every case through the script's own pre-training checks; no case train
 from __future__ import annotations
 
 import json
+import os
 import math
 import textwrap
 
@@ -50,6 +51,8 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--text_file", "/no/such/file"], "--text_file '/no/such/file' is not a file"),
     (["--prompt", ""], "--prompt is empty"),
     (["--seq_len", "0"], "--seq_len must be a positive integer"),
+    (["--mesh", "auto", "--noshard_optimizer_state"],
+     "--mesh auto chooses --noshard_optimizer_state itself"),
 ]
 
 TUNE_CASES = [
@@ -168,13 +171,29 @@ ENV_CASES = [  # variable, value, phrase (None: accepted)
     ("DTK_GRAPPLER", "1", None),
     ("DTK_VIRTUAL_DEVICES", "0", "must be >= 1"),
     ("DTK_VIRTUAL_DEVICES", "four", "is not an integer"),
+    # Files dtk writes: checked up front; a user's file is never overwritten (issue 41).
+    ("DTK_PLAN_CACHE", "{file}", "is an existing file that is not dtk's plan cache"),
+    ("DTK_PLAN_CACHE", "{tmp}", "is a directory"),
+    ("DTK_PLAN_CACHE", "{link}", "is a symbolic link"),
+    ("DTK_PLAN_CACHE", "/proc/nope/plan.json", "is not writable"),
+    ("DTK_PLAN_CACHE", "{tmp}/new/plan.json", None),
+    ("DTK_PLAN_CACHE", "{cache}", None),
+    ("DTK_BLAME_FILE", "/proc/nope/blame", "is not writable"),
+    ("DTK_BLAME_FILE", "{tmp}/blame", None),
+    ("DTK_READY_FILE", "/proc/nope/ready", "is not writable"),
+    ("DTK_READY_FILE", "{tmp}", "is a directory"),
 ]
 
 
 @pytest.mark.parametrize("name, value, phrase", ENV_CASES)
 def test_environment_variables_are_checked_whatever_the_run_reads(name, value, phrase, monkeypatch,
                                                                   tmp_path):
-    monkeypatch.setenv(name, value.replace("{tmp}", str(tmp_path)))
+    (tmp_path / "notes.txt").write_text("a user's own file\n")
+    (tmp_path / "plan.json").write_text('{"machine/CPU:8": {"gather_ms": 1.0}}')
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    monkeypatch.setenv(name, value.replace("{file}", str(tmp_path / "notes.txt")).replace(
+        "{link}", str(tmp_path / "dangling")).replace("{cache}", str(tmp_path / "plan.json"))
+        .replace("{tmp}", str(tmp_path)))
     if phrase is None:
         _env.check_all()
     else:
