@@ -634,8 +634,11 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
 def compiled_settings(model: tf_keras.Model) -> dict[str, Any]:
     """The loss, optimizer (class and config) and metrics ``model.compile`` was given, or Nones."""
     optimizer = getattr(model, "optimizer", None)
+    compiled_loss = getattr(model, "compiled_loss", None)
     return {
-        "loss": getattr(model, "loss", None) if getattr(model, "compiled_loss", None) else None,
+        "loss": getattr(model, "loss", None) if compiled_loss else None,
+        "loss_weights": getattr(compiled_loss, "_user_loss_weights", None),
+        "output_names": list(getattr(model, "output_names", None) or []) or None,
         "optimizer": (type(optimizer), _optimizer_config(optimizer)) if optimizer is not None
         else None,
         "metrics": list(getattr(getattr(model, "compiled_metrics", None), "_user_metrics", None)

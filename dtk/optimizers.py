@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
+import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
@@ -226,6 +227,12 @@ def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtenso
     return made
 
 
+def _is_keras_wrapper(value: Any) -> bool:
+    """Keras's tracked containers (``_DictWrapper``, ``ListWrapper``): what ``model.loss`` holds
+    after ``compile(loss={...})``."""
+    return type(value).__name__ in ("_DictWrapper", "ListWrapper")
+
+
 class _SumLoss:
     """A per-example loss whose reduction is a sum over the global batch (``reduction="sum"``)."""
 
@@ -239,7 +246,62 @@ class _SumLoss:
         return self.fn(labels, predictions)
 
 
-def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
+class _PerOutputLoss:
+    """Keras's per-output losses (``compile(loss={...} or [...], loss_weights=...)``): each
+    output's per-example loss (averaged over its other dims), weighted and summed, so that dtk's
+    mean over the global batch is Keras's sum of weighted per-output means."""
+
+    def __init__(self, losses: dict | list, weights: dict | list | None, names: list[str] | None):
+        self.keys = list(losses) if isinstance(losses, dict) else list(range(len(losses)))
+        self.fns = {k: make_loss(losses[k]) for k in self.keys}
+        for k, fn in self.fns.items():
+            if getattr(fn, "sum_over_batch", False):
+                raise ValueError(f"loss for output {k!r} has reduction='sum'; per-output losses "
+                                 "must use the default reduction (the mean over the batch)")
+        if weights is None:
+            weights = {k: 1.0 for k in self.keys}
+        elif isinstance(weights, (list, tuple)):
+            if len(weights) != len(self.keys):
+                raise ValueError(f"loss_weights has {len(weights)} entries for {len(self.keys)} "
+                                 "losses; give one weight per output")
+            weights = dict(zip(self.keys, weights))
+        unknown = sorted(map(str, set(weights) - set(self.keys)))
+        if unknown:
+            raise ValueError(f"loss_weights names outputs {unknown} that have no loss; the losses "
+                             f"are for {[str(k) for k in self.keys]}")
+        self.weights = {k: float(weights.get(k, 1.0)) for k in self.keys}
+        self.names = names
+        self.__name__ = "per_output_loss"
+
+    def _pick(self, values, key):
+        if isinstance(values, dict):
+            if key not in values:
+                raise ValueError(f"the loss is given for output {key!r}, but the model's outputs "
+                                 f"(or the labels) are keyed {sorted(map(str, values))}; key the "
+                                 "losses and labels by the model's output names")
+            return values[key]
+        if isinstance(key, str):  # a dict of losses for a model with a list of outputs
+            if not self.names or key not in self.names:
+                raise ValueError(f"the loss is given for output {key!r}, which is not one of the "
+                                 f"model's outputs {self.names}")
+            return values[self.names.index(key)]
+        return values[key]
+
+    def __call__(self, labels, predictions):
+        total = None
+        for k in self.keys:
+            per = self.fns[k](self._pick(labels, k), self._pick(predictions, k))
+            per = tf.cast(per, tf.float32)
+            if per.shape.rank > 1:
+                per = tf.reduce_mean(tf.reshape(per, [tf.shape(per)[0], -1]), axis=1)
+            per = per * self.weights[k]
+            total = per if total is None else total + per
+        return total
+
+
+def make_loss(loss: str | tf_keras.losses.Loss | Callable, *,
+              loss_weights: dict | list | None = None,
+              output_names: list[str] | None = None) -> Callable:
     """Returns a function ``(labels, predictions) -> per-example losses [B]``.
 
     dtk reduces per-example losses itself, over the GLOBAL batch, weighted by the pad mask, so
@@ -251,12 +313,24 @@ def make_loss(loss: str | tf_keras.losses.Loss | Callable) -> Callable:
       the global batch size, as on one device);
     - ``reduction="none"`` is refused: a step needs one number.
 
-    Named losses expect logits (``from_logits=True``), as dtk's reference models output.
+    Named losses expect logits (``from_logits=True``), as dtk's reference models output. A dict
+    (keyed by output name) or list of losses, with optional ``loss_weights``, is Keras's
+    per-output form: the weighted sum of each output's loss.
 
     Raises:
       ValueError: an unknown name or ``reduction="none"``.
     """
     require_keras2(loss, "loss")
+    if isinstance(loss, (dict, list, tuple)) or _is_keras_wrapper(loss):
+        loss = dict(loss) if isinstance(loss, dict) or hasattr(loss, "keys") else list(loss)
+        if isinstance(loss_weights, dict) or hasattr(loss_weights, "keys"):
+            loss_weights = dict(loss_weights)
+        elif loss_weights is not None:
+            loss_weights = list(loss_weights)
+        return _PerOutputLoss(loss, loss_weights, output_names)
+    if loss_weights is not None:
+        raise ValueError("loss_weights apply to per-output losses (a dict or list of losses); "
+                         f"the loss is one {type(loss).__name__}")
     if isinstance(loss, str):
         key = loss.strip().lower()
         if key not in LOSSES:

@@ -642,16 +642,20 @@ class Trainer:
         self.steps.reset_metrics()
         return results
 
-    def predict(self, data: Any) -> np.ndarray:
-        """The model's outputs for every real example of ``data``, in order, as one numpy array."""
+    def predict(self, data: Any) -> Any:
+        """The model's outputs for every real example of ``data``, in order, as ``Model.predict``
+        returns them: one numpy array, or the model's dict / list of arrays for a model with
+        several outputs (padding of the last batch removed)."""
         self._check_data(data, stacked=1)
         outputs = []
         for batch in data.epoch(0):
             features, _, weights = batch
-            out = ckpt_lib.global_value(self.steps.predict(features))
             keep = ckpt_lib.global_value(weights) > 0
-            outputs.append(out[keep])
-        return np.concatenate(outputs) if outputs else np.zeros((0,))
+            outputs.append(tf.nest.map_structure(
+                lambda out: ckpt_lib.global_value(out)[keep], self.steps.predict(features)))
+        if not outputs:
+            return np.zeros((0,))
+        return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
 
     def export(self, export_dir: str) -> dict[str, str]:
         """Writes the trained weights as a plain ``.keras`` model and a SavedModel (see checkpoint)."""
@@ -697,14 +701,8 @@ def _compiled_or_given(model, mesh, *, loss, optimizer, metrics):
             chosen[name] = given[name]
         elif compiled.get(name) is not None:
             chosen[name] = compiled[name]
-            if name == "loss" and isinstance(compiled[name], str):
-                # Keras's meaning of the name (probabilities unless from_logits is set), not
-                # dtk's shorthand for its own logit models (dtk.make_loss).
-                try:
-                    chosen[name] = tf_keras.losses.get(compiled[name])
-                except ValueError as e:
-                    raise ValueError(f"the model was compiled with loss {compiled[name]!r}, which "
-                                     f"tf_keras does not know: {e}") from e
+            if name == "loss":
+                chosen[name] = _compiled_loss(compiled)
             if name == "optimizer":
                 cls, config = compiled[name]
                 if issubclass(cls, tf_keras.optimizers.legacy.Optimizer) or not issubclass(
@@ -715,9 +713,37 @@ def _compiled_or_given(model, mesh, *, loss, optimizer, metrics):
                         "...) to Trainer, or compile with a tf_keras.optimizers optimizer")
                 config = {k: v for k, v in config.items() if k != "is_legacy_optimizer"}
                 chosen[name] = cls.from_config({**config, "mesh": mesh})
+        elif name == "metrics" and compiled.get("optimizer") is not None:
+            chosen[name] = []  # compiled without metrics: Keras reports the loss alone
         else:
             chosen[name] = _DEFAULTS[name]
     return chosen["loss"], chosen["optimizer"], chosen["metrics"]
+
+
+def _compiled_loss(compiled: dict) -> Any:
+    """The loss a factory compiled, with Keras's meaning: names as ``tf_keras.losses.get`` reads
+    them (probabilities unless from_logits is set, not dtk's shorthand for its own logit
+    models), and per-output dicts or lists with their ``loss_weights``."""
+    def keras_meaning(loss):
+        if not isinstance(loss, str):
+            return loss
+        try:
+            return tf_keras.losses.get(loss)
+        except ValueError as e:
+            raise ValueError(f"the model was compiled with loss {loss!r}, which tf_keras does not "
+                             f"know: {e}") from e
+
+    loss = compiled["loss"]
+    if isinstance(loss, str) or not (hasattr(loss, "keys") or isinstance(loss, (list, tuple))
+                                     or optimizers_lib._is_keras_wrapper(loss)):  # pylint: disable=protected-access
+        if compiled.get("loss_weights") is not None:
+            return optimizers_lib.make_loss(keras_meaning(loss),
+                                            loss_weights=compiled["loss_weights"])
+        return keras_meaning(loss)
+    per_output = ({k: keras_meaning(v) for k, v in loss.items()} if hasattr(loss, "keys")
+                  else [keras_meaning(v) for v in loss])
+    return optimizers_lib.make_loss(per_output, loss_weights=compiled.get("loss_weights"),
+                                    output_names=compiled.get("output_names"))
 
 
 def _describe(value) -> str:

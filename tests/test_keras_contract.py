@@ -153,3 +153,56 @@ def test_compiled_model_checkpoints_and_resumes_exactly(tmp_path):
                                 checkpoint_dir=str(tmp_path))
     assert trainer.config.async_checkpoints
     _close(resumed.history, whole.history)
+
+
+# H and F: keras.io "The Functional API", the multi-input, multi-output model, as the page writes
+# it (smaller), except for one documented change: the titles and bodies have a fixed length
+# (shape=(6,) and (10,), not (None,)), since dtk unrolls the LSTM loops, which DTensor cannot lay
+# out, and that needs a static number of steps (the refusal says so, before the first step).
+# Per-output losses with loss_weights, dict inputs and outputs; predict returns the dict.
+def ticket_model():
+    num_tags, num_words, num_departments = 12, 100, 4
+    title_input = tf_keras.Input(shape=(6,), name="title")
+    body_input = tf_keras.Input(shape=(10,), name="body")
+    tags_input = tf_keras.Input(shape=(num_tags,), name="tags")
+    title_features = layers.Embedding(num_words, 8)(title_input)
+    body_features = layers.Embedding(num_words, 8)(body_input)
+    title_features = layers.LSTM(8)(title_features)
+    body_features = layers.LSTM(4)(body_features)
+    x = layers.concatenate([title_features, body_features, tags_input])
+    priority_pred = layers.Dense(1, name="priority")(x)
+    department_pred = layers.Dense(num_departments, name="department")(x)
+    model = tf_keras.Model(inputs=[title_input, body_input, tags_input],
+                           outputs={"priority": priority_pred, "department": department_pred})
+    model.compile(
+        optimizer=tf_keras.optimizers.RMSprop(1e-3),
+        loss={"priority": tf_keras.losses.BinaryCrossentropy(from_logits=True),
+              "department": tf_keras.losses.CategoricalCrossentropy(from_logits=True)},
+        loss_weights={"priority": 1.0, "department": 0.2})
+    return model
+
+
+def _ticket_data():
+    rng = np.random.default_rng(0)
+    n = N * B
+    x = {"title": rng.integers(0, 100, (n, 6)).astype(np.float32),
+         "body": rng.integers(0, 100, (n, 10)).astype(np.float32),
+         "tags": rng.integers(0, 2, (n, 12)).astype(np.float32)}
+    y = {"priority": rng.random((n, 1)).astype(np.float32),
+         "department": np.eye(4, dtype=np.float32)[rng.integers(0, 4, n)]}
+    return x, y
+
+
+@pytest.mark.parametrize("mesh", ["batch=8", "batch=1"])
+def test_per_output_losses_with_weights_train_like_keras_fit(mesh):
+    x, y = _ticket_data()
+    keras_history, model = _keras_fit(ticket_model, x, y, epochs=2)
+    history, trainer = _dtk_fit(ticket_model, mesh, x, y, epochs=2)
+    np.testing.assert_allclose(history.history["loss"], keras_history["loss"], rtol=1e-5)
+    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), trainer.mesh,
+                                  dtk.InputConfig(global_batch_size=B))
+    predicted = trainer.predict(data)
+    want = model.predict(x, batch_size=B, verbose=0)
+    assert sorted(predicted) == ["department", "priority"]
+    for key in want:
+        np.testing.assert_allclose(predicted[key], want[key], rtol=1e-4, atol=1e-6)
