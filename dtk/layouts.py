@@ -618,6 +618,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         # never given values (its iteration count): a checkpoint of the model would fail on
         # them. dtk.Trainer puts the mesh-bound optimizer it trains with in its place.
         model.optimizer = None
+    _bind_metrics(model, mesh)
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
     for line in [*op_support.adapt_layers(model), *randomness.adapt_layers(model, seed=seed)]:
@@ -644,6 +645,33 @@ def compiled_settings(model: tf_keras.Model) -> dict[str, Any]:
         "metrics": list(getattr(getattr(model, "compiled_metrics", None), "_user_metrics", None)
                         or []) or None,
     }
+
+
+def _bind_metrics(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
+    """Metric objects the model holds (keras.io, "Customizing fit": ``self.loss_tracker =
+    keras.metrics.Mean(name="loss")`` in ``__init__``), made again bound to the mesh.
+
+    Made in the factory, under the layout scope, their variables never get values (a checkpoint
+    or ``gather_weights`` fails on them), and a metric not bound to the mesh reports wrong values
+    under DTensor (dtensor-notes, trap 3).
+
+    Raises:
+      ValueError: a metric class that cannot be made with ``mesh=``, naming the attribute.
+    """
+    for attr, value in list(vars(model).items()):
+        if not isinstance(value, tf_keras.metrics.Metric) or getattr(value, "_mesh", None):
+            continue
+        try:
+            bound = type(value)(**value.get_config(), mesh=mesh)
+        except TypeError as e:
+            raise ValueError(
+                f"model attribute {attr!r} holds a {type(value).__name__} metric made without the "
+                f"mesh, which dtk cannot make again bound to it ({e}); use a tf_keras metric that "
+                "takes mesh= (Mean, Sum, the MeanMetricWrapper metrics), or keep the metric "
+                "outside the model (Trainer(metrics=...))") from None
+        if value in model._metrics:  # pylint: disable=protected-access
+            model._metrics.remove(value)  # pylint: disable=protected-access
+        setattr(model, attr, bound)
 
 
 def _optimizer_config(optimizer) -> dict[str, Any]:

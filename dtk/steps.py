@@ -175,6 +175,21 @@ def _user_code_autograph():
     return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
 
 
+def overridden_steps(model: tf_keras.Model) -> tuple[str, ...]:
+    """Which of ``train_step`` / ``test_step`` the model's class overrides (keras.io,
+    "Customizing what happens in fit()"): dtk then runs the model's own step on the mesh."""
+    return tuple(name for name in ("train_step", "test_step")
+                 if getattr(type(model), name, None) is not getattr(tf_keras.Model, name))
+
+
+def _keras_loss(loss: Any) -> Any:
+    """A loss for ``Model.compile`` with dtk's meaning (dtk's names are logit losses)."""
+    from dtk.optimizers import LOSSES  # pylint: disable=g-import-not-at-top
+    if isinstance(loss, str) and loss.strip().lower() in LOSSES:
+        return LOSSES[loss.strip().lower()]()
+    return loss
+
+
 def _scalar_zero(mesh: dtensor.Mesh) -> tf.Tensor:
     return dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[])
 
@@ -205,10 +220,17 @@ class Steps:
         self._random_ops_checked = False
         self._masters = None
         self.remat_layers = remat.apply(model, config.remat) if config.remat else []
+        # A model that overrides train_step / test_step runs its own step (see _custom_train).
+        self.custom = overridden_steps(model)
+        self._last_custom = False
+        if self.custom:
+            self._prepare_custom_steps(loss, config)
         shard = config.shard_optimizer_state
         if any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
-               for v in model.trainable_variables):
-            shard = False  # FSDP: weights and state are stored sharded; the update is too
+               for v in model.trainable_variables) or "train_step" in self.custom:
+            # FSDP: weights and state are stored sharded, the update is too. A model's own
+            # train_step applies its gradients itself, to the model's variables.
+            shard = False
         elif shard == "auto":
             shard = auto_shard_optimizer_state(model.trainable_variables, mesh, config.batch_axis)
         self.shard_optimizer_state = shard
@@ -225,10 +247,59 @@ class Steps:
         self.optimizer.build(self._masters or [getattr(v, "_variable", v)
                                                for v in model.trainable_variables])
         materialize.release_free_memory()  # what building the state freed (dtk.materialize)
-        self._train_one = self._compile(self._train_body, "train", stacked=False)
-        self._train_many = self._compile(self._train_body, "train", stacked=True)
-        self._evaluate = self._compile(self._eval_body, "evaluate", stacked=False)
+        train_body = self._custom_train_body if "train_step" in self.custom else self._train_body
+        self._train_one = self._compile(train_body, "train", stacked=False)
+        self._train_many = self._compile(train_body, "train", stacked=True)
+        self._evaluate = self._compile(
+            self._custom_eval_body if "test_step" in self.custom else self._eval_body,
+            "evaluate", stacked=False)
         self._predict = _function(self._predict_body, jit_compile=config.jit_compile)
+
+    # -- a model's own train_step / test_step ----------------------------------------------------
+    def _prepare_custom_steps(self, loss, config: StepConfig) -> None:
+        """Compiles the laid-out model as ``Model.fit`` would see it: the mesh-bound optimizer,
+        loss and metrics (Keras's compile containers are bound to the model's mesh), so that its
+        own ``train_step`` (``self.compute_loss``, ``self.optimizer``, ``self.metrics``) runs on
+        the mesh. What such a step cannot honour is refused here, before the first step.
+
+        Raises:
+          ValueError: FSDP, gradient accumulation or several steps per call with the model's own
+            ``train_step``, naming the method and the fix.
+        """
+        model = self.model
+        name = type(model).__name__
+        if "train_step" in self.custom:
+            refused = [what for what, on in (
+                ("gradient_accumulation_steps > 1", config.gradient_accumulation_steps > 1),
+                ("steps_per_execution > 1", config.steps_per_execution > 1),
+                ("FSDP", any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
+                             for v in model.trainable_variables))) if on]
+            if refused:
+                raise ValueError(
+                    f"model {name} overrides train_step, which dtk runs as written (its own "
+                    f"gradients and update); {' and '.join(refused)} would change that step. "
+                    "Drop them for this model (steps_per_execution=1, no accumulation, no FSDP), "
+                    "or move the custom logic into call()/add_loss() and use dtk's step")
+        model.compile(optimizer=self.optimizer, loss=_keras_loss(loss), metrics=self.metrics)
+        _log.info("dtk runs %s's own %s on the mesh", name, " and ".join(self.custom))
+
+    def _custom_train_body(self, batch):
+        features, labels, _ = batch  # training batches hold no padding (remainder is checked)
+        with randomness.step_scope(self.optimizer.iterations.read_value()):
+            logs = self.model.train_step((features, labels))
+        self._warn_uncovered_random_ops()
+        return self._loss_of(logs)
+
+    def _custom_eval_body(self, batch):
+        features, labels, _ = batch  # Trainer.evaluate refuses padded data for a test_step
+        return self._loss_of(self.model.test_step((features, labels)))
+
+    def _loss_of(self, logs) -> tf.Tensor:
+        """The scalar a compiled call returns: the step's ``loss`` log, else 0."""
+        value = logs.get("loss") if isinstance(logs, dict) else None
+        if value is None:
+            return _scalar_zero(self.mesh)
+        return tf.cast(tf.reshape(value, []), tf.float32)
 
     # -- bodies -----------------------------------------------------------------------------------
     def _weighted_loss(self, labels, predictions, weights):
@@ -436,10 +507,16 @@ class Steps:
         """
         if stacked is None:
             stacked = self.config.steps_per_execution > 1
+        if stacked and "train_step" in self.custom:
+            raise ValueError(f"model {type(self.model).__name__} overrides train_step, which dtk "
+                             "runs one step per call: give unstacked batches "
+                             "(steps_per_execution=1)")
+        self._last_custom = "train_step" in self.custom
         return (self._train_many if stacked else self._train_one)(tuple(batch))
 
     def evaluate(self, batch) -> tf.Tensor:
         """Accumulates loss and metrics over one (unstacked) batch; updates nothing else."""
+        self._last_custom = "test_step" in self.custom
         return self._evaluate(tuple(batch))
 
     def predict(self, features) -> tf.Tensor:
@@ -449,7 +526,15 @@ class Steps:
     def reset_metrics(self) -> None:
         for metric in [self.loss_metric, *self.metrics]:
             metric.reset_state()
+        if self.custom:
+            self.model.reset_metrics()
 
     def results(self) -> dict[str, float]:
-        """Current metric values as Python floats (this waits for pending steps)."""
+        """Current metric values as Python floats (this waits for pending steps).
+
+        After the model's own ``train_step`` / ``test_step``: its metrics (``model.metrics``),
+        as ``Model.fit`` reports them.
+        """
+        if self._last_custom:
+            return {m.name: float(m.result()) for m in self.model.metrics}
         return {m.name: float(m.result()) for m in [self.loss_metric, *self.metrics]}

@@ -381,10 +381,16 @@ class Trainer:
                 planned = min(planned, self.config.max_steps)
             # Calibrating costs a trace or two (~1-2 s): only worth it for a run long enough.
             if spe == 1 and isinstance(train_data, DistributedDataset) and \
-                    planned >= AUTO_MIN_STEPS:
+                    planned >= AUTO_MIN_STEPS and "train_step" not in self.steps.custom:
                 self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
         self._check_data(train_data, stacked=spe)
+        if "train_step" in self.steps.custom and getattr(train_data.config, "remainder",
+                                                          None) == "pad":
+            raise ValueError(
+                f"model {type(self.model).__name__} overrides train_step, which receives (x, y) "
+                "and cannot tell padding from examples, but the training data pads its last "
+                "batch (InputConfig(remainder='pad')); use remainder='drop' for training")
         steps_lib.check_accumulation(train_data.config.global_batch_size, self.mesh,
                                      self.config.gradient_accumulation_steps, self.config.batch_axis)
         if validation_data is not None:  # before the first step, not after the first epoch
@@ -630,6 +636,13 @@ class Trainer:
           ``{"loss": ..., <metric>: ..., "examples": <number of real examples counted>}``.
         """
         self._check_data(data, stacked=1)
+        custom = "test_step" in self.steps.custom
+        if custom and data.num_examples % data.config.global_batch_size:
+            raise ValueError(
+                f"model {type(self.model).__name__} overrides test_step, which receives (x, y) "
+                f"and cannot tell padding from examples, but {data.num_examples} examples do "
+                f"not fill whole batches of {data.config.global_batch_size}: give evaluation a "
+                "global batch size that divides the number of examples")
         self.steps.reset_metrics()
         try:
             for batch in data.epoch(0):
@@ -638,7 +651,8 @@ class Trainer:
         except tf.errors.OpError as e:
             context.async_clear_error()
             raise ValueError(f"evaluation failed: {first_line(e)}") from e
-        results["examples"] = int(round(float(self.steps.loss_metric.count.numpy())))
+        results["examples"] = (data.num_examples if custom else
+                               int(round(float(self.steps.loss_metric.count.numpy()))))
         self.steps.reset_metrics()
         return results
 

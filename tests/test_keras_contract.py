@@ -206,3 +206,96 @@ def test_per_output_losses_with_weights_train_like_keras_fit(mesh):
     assert sorted(predicted) == ["department", "priority"]
     for key in want:
         np.testing.assert_allclose(predicted[key], want[key], rtol=1e-4, atol=1e-6)
+
+
+# K and G: keras.io "Customizing what happens in fit()": a model's own train_step runs on the mesh,
+# with its own metric objects (made in __init__: dtk binds them to the mesh).
+class CustomFit(tf_keras.Model):
+    """The page's first example, plus a term added to the loss in train_step (issue 40, K)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            loss = loss + 0.1 * tf.reduce_mean(tf.square(y_pred))  # the model's own objective
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(loss, trainable_vars)
+        self.optimizer.apply_gradients(zip(gradients, trainable_vars))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_fit():
+    inputs = tf_keras.Input(shape=(32,))
+    outputs = tf_keras.layers.Dense(1)(tf_keras.layers.Dense(16, activation="relu")(inputs))
+    model = CustomFit(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    return model
+
+
+class LowLevelFit(tf_keras.Model):
+    """The page's lower-level example: no compiled loss, the model's own metric objects."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = tf_keras.metrics.Mean(name="loss")
+        self.mae_metric = tf_keras.metrics.MeanAbsoluteError(name="mae")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = tf_keras.losses.mean_squared_error(y, y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.loss_tracker.update_state(tf_keras.losses.mean_squared_error(y, y_pred))
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+def low_level_fit():
+    inputs = tf_keras.Input(shape=(32,))
+    outputs = tf_keras.layers.Dense(1)(inputs)
+    model = LowLevelFit(inputs, outputs)
+    model.compile(optimizer="adam")
+    return model
+
+
+def _regression_data():
+    rng = np.random.default_rng(0)
+    return (rng.random((N * B, 32), dtype=np.float32),
+            rng.random((N * B, 1), dtype=np.float32))
+
+
+@pytest.mark.parametrize("factory, mesh", [(custom_fit, "batch=8"), (custom_fit, "batch=1"),
+                                           (low_level_fit, "batch=8")],
+                         ids=["custom_fit-batch=8", "custom_fit-batch=1", "low_level-batch=8"])
+def test_a_models_own_train_step_runs_on_the_mesh(factory, mesh, tmp_path):
+    x, y = _regression_data()
+    keras_history, model = _keras_fit(factory, x, y, epochs=2)
+    history, trainer = _dtk_fit(factory, mesh, x, y, epochs=2, checkpoint_dir=str(tmp_path))
+    _close(history.history, keras_history)
+    for got, want in zip(dtk.gather_weights(trainer.model), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), trainer.mesh,
+                                  dtk.InputConfig(global_batch_size=B))
+    results = trainer.evaluate(data)
+    want = model.evaluate(x, y, batch_size=B, verbose=0, return_dict=True)
+    for key, value in want.items():
+        np.testing.assert_allclose(results[key], value, rtol=1e-5, err_msg=key)

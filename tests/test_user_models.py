@@ -220,11 +220,24 @@ def _trainer(factory, mesh, tmp_path, *, max_steps):
                            checkpoint_dir=str(tmp_path) if tmp_path else None))
 
 
+# The real applications with their random layers on (EfficientNetB0: dropout and stochastic
+# depth), for resume and export: the uninterrupted run, the run stopped at step 2 and the resumed
+# one, on batch=4,model=2.
+APPLICATIONS_WITH_DROPOUT = {
+    "DenseNet121": (lambda: tf_keras.applications.DenseNet121(
+        input_shape=(32, 32, 3), weights=None, classes=4), (32, 32, 3)),
+    "EfficientNetB0": (lambda: tf_keras.applications.EfficientNetB0(
+        input_shape=(32, 32, 3), weights=None, classes=4), (32, 32, 3)),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param("mobilenet", marks=pytest.mark.zoo), "gru",
-                                  "normalization_adapted"])  # mobilenet: 28-54 s, in the zoo lane
+                                  "normalization_adapted",
+                                  *(pytest.param(n, marks=pytest.mark.zoo)
+                                    for n in APPLICATIONS_WITH_DROPOUT)])
 def test_resume_and_export_are_exact(tmp_path, name):
-    factory, shape = MODELS[name]
+    factory, shape = MODELS.get(name) or APPLICATIONS_WITH_DROPOUT[name]
     mesh = dtk.build_mesh("batch=4,model=2")
     x, y = _data(shape, steps=4, seed=3)
     data = input_lib.DistributedDataset(
