@@ -641,18 +641,13 @@ def _weights_by_identity(model: tf_keras.Model) -> dict[str, tf.Variable]:
     weights in another order than a plain one (non-trainable ones notably), so position means
     nothing.
     """
-    functional = getattr(model, "_is_graph_network", False) or isinstance(model, tf_keras.Sequential)
-    roots = ([(f"{i}:{type(layer).__name__}/", layer) for i, layer in enumerate(model.layers)]
-             if functional else [("", model)])
     out: dict[str, tf.Variable] = {}
     seen = set()
-    for prefix, root in roots:
-        for path, variable in root._flatten(  # pylint: disable=protected-access
-                predicate=lambda o: isinstance(o, tf.Variable), with_path=True):
-            if id(variable) in seen or any(a in path for a in _NOT_WEIGHTS):
-                continue
+    for path, _, _, variable in layouts_lib.variable_paths(
+            model, lambda i, layer: f"{i}:{type(layer).__name__}", skip=_NOT_WEIGHTS):
+        if id(variable) not in seen:
             seen.add(id(variable))
-            out[prefix + ".".join(str(p) for p in path)] = variable
+            out[path] = variable
     return out
 
 

@@ -255,29 +255,93 @@ def _apply_fsdp(planned: list[WeightPlan], paths, sizes: dict[str, int], batch_a
     return out
 
 
+def is_graph_model(layer: Any) -> bool:
+    """A Sequential or Functional model (its weights are named by layer, not by attribute)."""
+    return isinstance(layer, tf_keras.Model) and (
+        getattr(layer, "_is_graph_network", False) or isinstance(layer, tf_keras.Sequential))
+
+
+def weight_roots(model: tf_keras.Model, name: Callable[[int, Any], str]
+                 ) -> list[tuple[str, Any]]:
+    """Where a model's weights are found: ``(path prefix, object)`` pairs.
+
+    A Sequential/Functional model: each layer, named ``name(index, layer)``; a Sequential or
+    Functional model nested in it (ConvNeXt's stem, keras.io's ``self.ffn = Sequential(...)`` in
+    a layer is an attribute, found by the attribute walk) is entered, its layers named under
+    its own name (``stem.stem_conv.kernel``). A subclassed model: the model itself.
+    """
+    if not is_graph_model(model):
+        return [("", model)]
+    roots = []
+    for i, layer in enumerate(model.layers):
+        if is_graph_model(layer):
+            roots.extend((f"{name(i, layer)}.{prefix}", root)
+                         for prefix, root in weight_roots(layer, name))
+        else:
+            roots.append((f"{name(i, layer)}.", layer))
+    return roots
+
+
+def variable_paths(model: tf_keras.Model, name: Callable[[int, Any], str], *,
+                   predicate: Callable[[Any], bool] = lambda o: isinstance(o, tf.Variable),
+                   skip: Sequence[str] = ()) -> list[tuple[str, Any, tuple, Any]]:
+    """Every object ``predicate`` selects in a model, where it lives: ``(path, owner, path in
+    owner, object)``, ``owner`` the layer or model that ``path in owner`` starts from.
+
+    Paths follow ``weight_roots`` (layers of Sequential/Functional models by ``name``), then
+    attributes; a Sequential/Functional model held as an attribute (keras.io's ``self.ffn =
+    Sequential([...])`` in a layer) is entered by its layers too, since only its output layer
+    is reachable by attributes (``_output_coordinates``). Bookkeeping attributes
+    (``TRACKING_ATTRIBUTES`` and ``skip``) are not followed. An object reachable by several
+    paths is listed under each.
+    """
+    out = []
+    for prefix, root in weight_roots(model, name):
+        out.extend(_walk(prefix, root, name, predicate, (*TRACKING_ATTRIBUTES, *skip)))
+    return out
+
+
+def _walk(prefix, root, name, predicate, skip):
+    found = [(path, obj) for path, obj in root._flatten(  # pylint: disable=protected-access
+        predicate=lambda o: predicate(o) or is_graph_model(o), with_path=True)
+        if not any(a in path for a in skip)]
+    nested = [path for path, obj in found if is_graph_model(obj)]
+
+    def inside(path):
+        return any(len(path) > len(g) and path[:len(g)] == g for g in nested)
+
+    out = []
+    for path, obj in found:
+        if inside(path):
+            continue  # reached again, by its layers, through the nested model
+        here = prefix + ".".join(str(p) for p in path)
+        if is_graph_model(obj):
+            for sub_prefix, sub_root in weight_roots(obj, name):
+                out.extend(_walk(f"{here}.{sub_prefix}", sub_root, name, predicate, skip))
+        elif predicate(obj):
+            out.append((here, root, path, obj))
+    return out
+
+
 def weight_paths(model: tf_keras.Model) -> list[tuple[str, tf.Variable]]:
     """Every weight of a built model with its path as DTensor's LayoutMap names it.
 
-    Sequential/Functional: ``<layer name>.<attribute path>`` (``d1.kernel``); subclassed: the
-    attribute path from the model (``block.ff.0.kernel``). A weight reachable by several paths is
-    listed once, by its first path.
+    Sequential/Functional: ``<layer name>.<attribute path>`` (``d1.kernel``; a nested
+    Sequential/Functional model's layers under its name, see ``variable_paths``); subclassed:
+    the attribute path from the model (``block.ff.0.kernel``). A weight reachable by several
+    paths is listed once, by its first path.
     """
-    functional = getattr(model, "_is_graph_network", False) or isinstance(model, tf_keras.Sequential)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # RNN cells cache their dropout masks per graph; a cache of masks from two graphs cannot
         # be walked (tf.Module sorts its keys). The masks live for one call only: drop them.
         for cache in ("_dropout_mask_cache", "_recurrent_dropout_mask_cache"):
             if hasattr(getattr(layer, cache, None), "clear"):
                 getattr(layer, cache).clear()
-    roots = [(layer.name + ".", layer) for layer in model.layers] if functional else [("", model)]
     seen, out = set(), []
-    for prefix, root in roots:
-        for path, variable in root._flatten(  # pylint: disable=protected-access
-                predicate=lambda o: isinstance(o, tf.Variable), with_path=True):
-            if any(a in path for a in TRACKING_ATTRIBUTES) or id(variable) in seen:
-                continue
+    for path, _, _, variable in variable_paths(model, lambda i, layer: layer.name):
+        if id(variable) not in seen:
             seen.add(id(variable))
-            out.append((prefix + ".".join(str(p) for p in path), variable))
+            out.append((path, variable))
     return out
 
 
@@ -575,7 +639,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     try:
         # Preprocessing state (Normalization's adapted mean and variance) comes from the plain
         # build with the other weights: adapt() and finalize_state() wait until it is copied.
-        with placeholders, layout_map.scope(), _preprocessing_deferred():
+        with placeholders, layout_map.scope(), _preprocessing_deferred(), _nested_models():
             model = model_factory()
             if not model.built:
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
@@ -722,6 +786,76 @@ def _preprocessing_classes() -> list[type]:
         found.append(cls)
         todo.extend(cls.__subclasses__())
     return found
+
+
+class _nested_models:  # pylint: disable=invalid-name
+    """While the laid-out model is built: a model called on symbolic inputs (a ``Sequential``
+    nested in a functional model, as ConvNeXt's stem or keras.io's transformer block's ``ffn``)
+    builds as a layer of the model that calls it.
+
+    Under a layout map, tf_keras's ``Model.__call__`` first calls an unbuilt model on fresh
+    ``Input``s made from its arguments, but turns a ``KerasTensor`` argument into None: "Inputs
+    to a layer should be tensors. Got 'None'". Its weights are laid out with the enclosing
+    model's (the layout map names them by their full path).
+    """
+
+    def __enter__(self):
+        from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+        from tf_keras.src.engine import keras_tensor  # pylint: disable=g-import-not-at-top
+        self._original = original = tf_keras.Model.__call__
+        self._original_maps = (keras_layout_map._map_functional_model_variable,  # pylint: disable=protected-access
+                               keras_layout_map._map_subclass_model_variable)  # pylint: disable=protected-access
+        keras_layout_map._map_functional_model_variable = _map_model_variables  # pylint: disable=protected-access
+        keras_layout_map._map_subclass_model_variable = _map_model_variables  # pylint: disable=protected-access
+
+        def call(model, *args, **kwargs):
+            symbolic = any(isinstance(t, keras_tensor.KerasTensor)
+                           for t in tf.nest.flatten((args, kwargs)))
+            saved = getattr(model, "_layout_map", None)
+            if symbolic and saved is not None and not model.built:
+                model._layout_map = None  # pylint: disable=protected-access
+                try:
+                    return original(model, *args, **kwargs)
+                finally:
+                    model._layout_map = saved  # pylint: disable=protected-access
+            return original(model, *args, **kwargs)
+
+        tf_keras.Model.__call__ = call
+        return self
+
+    def __exit__(self, *exc):
+        from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+        tf_keras.Model.__call__ = self._original
+        (keras_layout_map._map_functional_model_variable,  # pylint: disable=protected-access
+         keras_layout_map._map_subclass_model_variable) = self._original_maps  # pylint: disable=protected-access
+        return False
+
+
+def _map_model_variables(model, layout_map):
+    """tf_keras's ``_map_functional_model_variable`` / ``_map_subclass_model_variable``, with
+    dtk's paths (``variable_paths``: nested Sequential/Functional models entered, by layer) and
+    each lazy variable made into one DVariable however many paths reach it (tf_keras made one
+    per path, missed a nested model's inner layers, and failed on a nested model called in a
+    functional one)."""
+    from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    lazy = keras_layout_map._is_lazy_init_variable  # pylint: disable=protected-access
+    made: dict[int, Any] = {}
+    found = variable_paths(model, lambda i, layer: layer.name, predicate=lazy,
+                           skip=keras_layout_map._KERAS_ATTRIBUTES_TO_SKIP)  # pylint: disable=protected-access
+    for path, owner, owner_path, variable in found:
+        if id(variable) not in made:
+            made[id(variable)] = keras_layout_map._create_dvariable(  # pylint: disable=protected-access
+                layout_map, path, variable)
+        keras_layout_map._set_object_by_path(owner, owner_path, made[id(variable)])  # pylint: disable=protected-access
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        keras_layout_map._config_dvariable_regularization(layer, made)  # pylint: disable=protected-access
+    # Cached references (a layer's _trainable_weights lists...) to the new variables.
+    for path, variable in model._flatten(predicate=lazy, with_path=True):  # pylint: disable=protected-access
+        if id(variable) in made:
+            keras_layout_map._set_object_by_path(model, path, made[id(variable)])  # pylint: disable=protected-access
+    keras_layout_map._init_state_variable_for_rng(model, layout_map)  # pylint: disable=protected-access
+    keras_layout_map._update_trackable_reference(model, made)  # pylint: disable=protected-access
+    return model
 
 
 class _preprocessing_deferred:  # pylint: disable=invalid-name

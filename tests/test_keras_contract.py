@@ -299,3 +299,95 @@ def test_a_models_own_train_step_runs_on_the_mesh(factory, mesh, tmp_path):
     want = model.evaluate(x, y, batch_size=B, verbose=0, return_dict=True)
     for key, value in want.items():
         np.testing.assert_allclose(results[key], value, rtol=1e-5, err_msg=key)
+
+
+# E and I: models with nested Sequentials. ConvNeXt's stem is a Sequential called in a functional
+# model; keras.io's "Text classification with Transformer" keeps its feed-forward net as
+# self.ffn = keras.Sequential([...]) in a layer. Both train like tf_keras, resume exactly and
+# export with predictions equal.
+def nested_stem():
+    inputs = tf_keras.Input((12, 12, 1))
+    stem = tf_keras.Sequential([layers.Conv2D(8, 4, strides=4, name="stem_conv"),
+                                layers.LayerNormalization(epsilon=1e-6, name="stem_ln")],
+                               name="stem")
+    x = layers.GlobalAveragePooling2D()(stem(inputs))
+    model = tf_keras.Model(inputs, layers.Dense(10, activation="softmax")(x))
+    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
+    return model
+
+
+class TransformerBlock(layers.Layer):
+    """keras.io, "Text classification with Transformer", as the page writes it."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = tf_keras.Sequential(
+            [layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output, training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+class TokenAndPositionEmbedding(layers.Layer):
+    def __init__(self, maxlen, vocab_size, embed_dim):
+        super().__init__()
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        maxlen = tf.shape(x)[-1]
+        positions = tf.range(start=0, limit=maxlen, delta=1)
+        return self.token_emb(x) + self.pos_emb(positions)
+
+
+def text_transformer(rate=0.0):
+    maxlen, vocab_size, embed_dim, num_heads, ff_dim = 10, 50, 8, 2, 16
+    inputs = layers.Input(shape=(maxlen,))
+    x = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim)(inputs)
+    x = TransformerBlock(embed_dim, num_heads, ff_dim, rate)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dropout(rate)(x)
+    x = layers.Dense(8, activation="relu")(x)
+    x = layers.Dropout(rate)(x)
+    outputs = layers.Dense(2, activation="softmax")(x)
+    model = tf_keras.Model(inputs=inputs, outputs=outputs)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def _text_data():
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 50, (N * B, 10)).astype(np.float32),
+            rng.integers(0, 2, N * B).astype(np.int64))
+
+
+@pytest.mark.parametrize("name", ["nested_stem", "text_transformer"])
+def test_nested_sequentials_train_resume_and_export(name, tmp_path):
+    factory, (x, y) = {"nested_stem": (nested_stem, _data()),
+                       "text_transformer": (text_transformer, _text_data())}[name]
+    keras_history, _ = _keras_fit(factory, x, y, epochs=2)
+    history, trainer = _dtk_fit(factory, "batch=8", x, y, epochs=2)
+    _close(history.history, keras_history)
+    _dtk_fit(factory, "batch=8", x, y, epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    resumed, again = _dtk_fit(factory, "batch=8", x, y, epochs=2,
+                              checkpoint_dir=str(tmp_path / "ckpt"))
+    for got, want in zip(dtk.gather_weights(again.model), dtk.gather_weights(trainer.model)):
+        np.testing.assert_array_equal(got, want)
+    paths = again.export(str(tmp_path / "export"))
+    loaded = tf_keras.models.load_model(paths["keras"], custom_objects={
+        "TransformerBlock": TransformerBlock,
+        "TokenAndPositionEmbedding": TokenAndPositionEmbedding})
+    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), again.mesh,
+                                  dtk.InputConfig(global_batch_size=B))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), again.predict(data), rtol=1e-5,
+                               atol=1e-6)
