@@ -59,13 +59,16 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
     UnsupportedOp(
         op="AvgPool3DGrad",
         layers=("AveragePooling3D",),
-        handling="equivalent: as AvgPoolGrad, in three dims"),
+        handling="refused before the first step (no equivalent yet): use MaxPooling3D or a "
+                 "strided Conv3D"),
     UnsupportedOp(
         op="TensorListFromTensor",
         layers=("LSTM", "GRU", "SimpleRNN", "RNN", "Bidirectional", "ConvLSTM1D", "ConvLSTM2D",
                 "ConvLSTM3D"),
-        handling="fallback: the recurrent loop unrolled (unroll=True, same values) where the "
-                 "sequence length is static; refused before the first step otherwise"),
+        handling="fallback: the recurrent loop unrolled (unroll=True: the values of tf_keras "
+                 "unrolled, which with a mask differ from its while loop by about 1e-4 in tf_keras "
+                 "itself) where the sequence length is static; refused before the first step "
+                 "otherwise"),
     UnsupportedOp(
         op="Bucketize",
         layers=("Discretization",),
@@ -73,8 +76,11 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
                  "<= x (comparisons and a sum); refused before the first step in other modes"),
     UnsupportedOp(
         op="ReverseV2",
-        layers=("RandomFlip",),
-        handling="refused before the first step: augment in the tf.data pipeline instead"),
+        layers=("Bidirectional", "RandomFlip"),
+        handling="Bidirectional: equivalent, the reverse along time of its return_sequences "
+                 "output as a product with the exchange matrix (exact; dtk.op_support.reverse; "
+                 "the unrolled backward layer reverses its steps in Python, no op). RandomFlip: "
+                 "refused before the first step: augment in the tf.data pipeline instead"),
     UnsupportedOp(
         op="ImageProjectiveTransformV3",
         layers=("RandomRotation", "RandomTranslation", "RandomZoom"),
@@ -188,6 +194,62 @@ def depthwise_conv2d(x, kernel, *, strides=(1, 1), padding="VALID", dilations=(1
         return y, grad
 
     return conv(x, kernel)
+
+
+def reverse(x, axes):
+    """``tf.reverse`` that DTensor can lay out (it has no layout propagation for ``ReverseV2``).
+
+    Each reversed dim is multiplied by the exchange matrix (ones on the anti-diagonal), on a
+    dim that is not sharded in dtk's layouts (time): every output is one input times 1 plus
+    zeros, so the values are exact, and the gradient is the same product. Integer and boolean
+    tensors (masks) go through float32 and back.
+    """
+    axes = [axes] if isinstance(axes, int) else list(axes)
+    dtype = x.dtype
+    y = x if dtype.is_floating else tf.cast(x, tf.float32)
+    rank = y.shape.rank
+    for axis in axes:
+        axis %= rank
+        n = int(y.shape[axis])
+        exchange = tf.constant(np.eye(n)[::-1], dtype=y.dtype)
+        perm = [d for d in range(rank) if d != axis] + [axis]
+        moved = tf.transpose(y, perm)
+        moved = tf.tensordot(moved, exchange, axes=[[rank - 1], [0]])
+        y = tf.transpose(moved, np.argsort(perm))
+    return y if dtype.is_floating else tf.cast(y, dtype)
+
+
+class _ReverseEquivalent:
+    """While a laid-out Bidirectional layer runs: ``tf_keras.backend.reverse`` is ``reverse``.
+
+    Installed once, process-wide, as a wrapper that is a pass-through outside dtk's adapted
+    layers (a plain model in the same process keeps ``tf.reverse``).
+    """
+
+    active = 0
+
+    @classmethod
+    def install(cls):
+        from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
+        if getattr(backend.reverse, "_dtk", False):
+            return
+        original = backend.reverse
+
+        def wrapped(x, axes):
+            return reverse(x, axes) if cls.active else original(x, axes)
+
+        wrapped._dtk = True  # pylint: disable=protected-access
+        backend.reverse = wrapped
+
+
+def _bidirectional_call(call):
+    def wrapped(self, *args, **kwargs):
+        _ReverseEquivalent.active += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _ReverseEquivalent.active -= 1
+    return wrapped
 
 
 def avg_pool(x, ksize, strides, padding, data_format="NHWC"):
@@ -306,6 +368,9 @@ def adapt_layers(model: tf_keras.Model) -> list[str]:
             layer.call = types.MethodType(_discretization_call, layer)
         elif isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D)):
             layer.pool_function = avg_pool
+        elif isinstance(layer, L.Bidirectional):
+            _ReverseEquivalent.install()
+            layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it

@@ -256,10 +256,10 @@ def _plain_losses(factory, x, y):
     for i in range(len(x)):
         with tf.GradientTape() as tape:
             loss = loss_fn(y[i], model(x[i], training=True))
-            total = loss + sum(model.losses)  # dtk reports the data loss, trains on the total
+            total = loss + sum(model.losses)  # reported and trained on, as Keras does
         opt.apply_gradients(zip(tape.gradient(total, model.trainable_variables),
                                 model.trainable_variables))
-        losses.append(float(loss))
+        losses.append(float(total))
     return np.array(losses)
 
 

@@ -179,7 +179,7 @@ def test_allowed_learning_rate_change_is_applied(tmp_path):
     assert changed.resume_changes == {"learning_rate": {"old": 0.01, "new": 0.05}}
     np.testing.assert_allclose(float(changed.optimizer.learning_rate.numpy()), 0.05, rtol=1e-6)
     assert abs(got[1] - same[1]) > 1e-3, (got, same)   # epoch 2 trained at the new rate
-    with pytest.raises(ValueError, match=r"allow_change names setting\(s\) \['learnin_rate'\]"):
+    with pytest.raises(ValueError, match=r"allow_change \(--allow_change\) names setting\(s\) \['learnin_rate'\]"):
         run(str(tmp_path / "b"), 0.01, allow=("learnin_rate",))
 
 
