@@ -66,6 +66,35 @@ def is_lead_client() -> bool:
     return client_id() == 0
 
 
+def check_job_addresses(jobs: Sequence[str], *, what: str = "job address") -> None:
+    """Every job is ``host:port`` with a port in 1-65535.
+
+    Raises:
+      ValueError: naming the first malformed address (and ``what`` it came from).
+    """
+    for job in jobs:
+        host, _, port = job.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{what} {job!r} is not host:port (e.g. 10.0.0.2:23456)")
+
+
+def check_environment() -> None:
+    """``DTENSOR_JOBS`` and ``DTENSOR_CLIENT_ID``, when set, describe a cluster this process can
+    join: checked before TensorFlow tries (its error is a traceback about a local server).
+
+    Raises:
+      ValueError: naming the variable, its value and the form it needs.
+    """
+    if not is_multi_client():
+        return
+    jobs = [j.strip() for j in os.environ["DTENSOR_JOBS"].split(",")]
+    if any(not j for j in jobs):
+        raise ValueError(f"DTENSOR_JOBS={os.environ['DTENSOR_JOBS']!r} has an empty entry; give "
+                         "host:port of every client, separated by commas")
+    check_job_addresses(jobs, what=f"DTENSOR_JOBS={os.environ['DTENSOR_JOBS']!r}: address")
+    client_id()
+
+
 # -- the client environment contract (written once) ----------------------------------------------
 def client_env(*, jobs: Sequence[str], client: int, register_timeout_s: float | None = None,
                heartbeat_timeout_s: float | None = None, virtual_devices: int | None = None,
@@ -89,10 +118,7 @@ def client_env(*, jobs: Sequence[str], client: int, register_timeout_s: float | 
     jobs = [str(j).strip() for j in jobs]
     if not jobs:
         raise ValueError("jobs is empty; give the host:port of every client")
-    for job in jobs:
-        host, _, port = job.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"job address {job!r} is not host:port (e.g. 10.0.0.2:23456)")
+    check_job_addresses(jobs)
     if not 0 <= client < len(jobs):
         raise ValueError(f"client id {client} is outside the {len(jobs)} jobs {jobs}")
     env = {"DTENSOR_JOBS": ",".join(jobs), "DTENSOR_CLIENT_ID": str(client),

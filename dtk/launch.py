@@ -113,6 +113,10 @@ class LaunchConfig:
         if self.min_clients is not None and not 1 <= self.min_clients <= self.num_clients:
             raise ValueError(f"min_clients must be between 1 and num_clients "
                              f"({self.num_clients}); got {self.min_clients}")
+        if self.min_clients is not None and self.max_restarts == 0:
+            raise ValueError(f"min_clients={self.min_clients} (--min_clients) sets how elastic "
+                             "restarts shrink the group, but max_restarts is 0, so no restart "
+                             "would come; add --max_restarts K (e.g. 2)")
         for name in ("start_timeout_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # NaN fails both comparisons
@@ -465,7 +469,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "isolated: run the clients in a private network namespace, unreachable "
                         "from other hosts (and without network access), or fail; host: share the "
                         "host's network (the clients' ports are reachable from other hosts)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        hint = "" if command else (
+            f"; the command to launch goes after '--', e.g. python -m dtk.launch --num_clients "
+            f"{args.num_clients} -- {' '.join(extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
         config = LaunchConfig(num_clients=args.num_clients,
                               devices_per_client=args.devices_per_client,

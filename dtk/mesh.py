@@ -247,6 +247,7 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
     if not is_multi_client():
         dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
         return
+    cluster.check_environment()  # a malformed DTENSOR_JOBS: one line, not TensorFlow's error
     try:
         with cluster.coordination_timeouts():
             dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)

@@ -790,13 +790,37 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
       ValueError: bad arguments, named.
     """
     from dtk import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+    if not callable(model_factory):
+        raise TypeError(f"model_factory must be a function that builds the tf_keras model (e.g. "
+                        f"dtk.models.mnist_mlp); got {type(model_factory).__name__} "
+                        f"{model_factory!r}. For a model by name, use dtk.models.MODEL_SPECS"
+                        "[name].factory")
+    if not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or \
+            global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer; got {global_batch_size!r}")
-    if devices is not None and (not isinstance(devices, int) or devices < 1):
+    if devices is not None and (not isinstance(devices, int) or isinstance(devices, bool)
+                                or devices < 1):
         raise ValueError(f"devices must be a positive integer (the mesh's device count); got "
                          f"{devices!r}")
-    if device_memory_gb is not None and not device_memory_gb > 0:
-        raise ValueError(f"device_memory_gb must be positive; got {device_memory_gb!r}")
+    if device_memory_gb is not None and (
+            isinstance(device_memory_gb, bool) or not isinstance(device_memory_gb, (int, float))
+            or not 0 < device_memory_gb < float("inf")):
+        raise ValueError(f"device_memory_gb must be a positive number of GiB (e.g. 0.5); got "
+                         f"{device_memory_gb!r}")
+    if isinstance(remat_patterns, str):
+        raise ValueError(f"remat_patterns must be a list of layer-name patterns, e.g. "
+                         f"[{remat_patterns!r}]; got the string {remat_patterns!r} (a string would "
+                         "be read letter by letter)")
+    for pattern in remat_patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ValueError(f"remat_patterns: {pattern!r} is not a regular expression: {e}") \
+                from None
+    if input_shape is not None and (isinstance(input_shape, (str, bytes)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in input_shape)):
+        raise ValueError(f"input_shape must be one example's shape as positive integers, without "
+                         f"the batch dim (e.g. (28, 28, 1)); got {input_shape!r}")
     table = layouts.load_table(table or "data_parallel")
     kind = mesh_lib.resolve_device_type(device_type)
     if devices is None:  # every device of every client (initializes TensorFlow's devices)

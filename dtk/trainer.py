@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -158,6 +159,9 @@ class TrainerConfig:
         spe = self.steps_per_execution
         if spe != "auto" and (not isinstance(spe, int) or isinstance(spe, bool) or spe < 1):
             raise ValueError(f"steps_per_execution must be 'auto' or a positive integer; got {spe!r}")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer; got {type(self.seed).__name__} "
+                             f"{self.seed!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer or None; got {self.max_steps}")
         if self.verbose not in (0, 1, 2):
@@ -165,6 +169,10 @@ class TrainerConfig:
         if isinstance(self.remat, str):
             raise ValueError(f"remat must be a tuple of layer-name patterns, e.g. "
                              f"(r'block\\d+_attn',); got the string {self.remat!r}")
+        if not isinstance(self.remat, (tuple, list)) or not all(
+                isinstance(p, str) for p in self.remat):
+            raise ValueError(f"remat must be a tuple of layer-name patterns (strings), e.g. "
+                             f"(r'block\\d+',); got {self.remat!r}")
         if not isinstance(self.async_checkpoints, bool):
             raise ValueError(f"async_checkpoints must be True or False; got "
                              f"{self.async_checkpoints!r}")

@@ -319,6 +319,21 @@ API_CASES = [  # (id, call, exception, phrase)
     ("input_shape with a built model", lambda: _trainer(
         model=layouts.build_model(dtk.models.mnist_mlp, _mesh(), "data_parallel", seed=0)[0],
         input_shape=(28, 28, 1)), ValueError, "input_shape apply only when model is a factory"),
+    ("seed not an integer", lambda: dtk.TrainerConfig(seed="abc"), ValueError,
+     "seed must be an integer; got str 'abc'"),
+    ("remat of numbers", lambda: dtk.TrainerConfig(remat=[1, 2]), ValueError,
+     "remat must be a tuple of layer-name patterns (strings)"),
+    ("plan of a name", lambda: dtk.plan("mlp", devices=8, global_batch_size=64), TypeError,
+     "model_factory must be a function that builds the tf_keras model"),
+    ("plan budget as a string", lambda: dtk.plan(dtk.models.mnist_mlp, devices=8,
+                                                 global_batch_size=64, device_memory_gb="1"),
+     ValueError, "device_memory_gb must be a positive number of GiB"),
+    ("plan remat patterns as a string", lambda: dtk.plan(
+        dtk.models.mnist_mlp, devices=8, global_batch_size=64, remat_patterns="d1"), ValueError,
+     "remat_patterns must be a list of layer-name patterns"),
+    ("plan input_shape wrong", lambda: dtk.plan(
+        dtk.models.mnist_mlp, devices=8, global_batch_size=64, input_shape="28x28"), ValueError,
+     "input_shape must be one example's shape as positive integers"),
     ("allow_change typo on a fresh run", lambda: _trainer(
         config=dtk.TrainerConfig(verbose=0, allow_change=("learning_rat",))).fit(
             _data(), epochs=1), ValueError,
@@ -401,3 +416,18 @@ def test_unmatched_rules_are_logged(caplog):
     assert "match no weight of this model" in caplog.text
     assert "4 weight(s) matched no rule" in caplog.text
     assert os.environ.get("DTENSOR_JOBS") is None
+
+
+@pytest.mark.parametrize("jobs, client, phrase", [
+    ("garbage", "0", "DTENSOR_JOBS='garbage': address 'garbage' is not host:port"),
+    ("localhost:1,,localhost:2", "0", "has an empty entry"),
+    ("localhost:1,localhost:70000", "0", "address 'localhost:70000' is not host:port"),
+    ("localhost:1,localhost:2", "5", "DTENSOR_CLIENT_ID='5' is not a client id of this run"),
+])
+def test_malformed_dtensor_cluster_variables_are_one_line(monkeypatch, jobs, client, phrase):
+    """Issue 41: checked before TensorFlow tries to join (its error was a traceback)."""
+    monkeypatch.setenv("DTENSOR_JOBS", jobs)
+    monkeypatch.setenv("DTENSOR_CLIENT_ID", client)
+    with pytest.raises(ValueError) as info:
+        cluster.check_environment()
+    assert phrase in str(info.value), str(info.value)

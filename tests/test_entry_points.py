@@ -140,6 +140,9 @@ LAUNCH_CASES = [  # argv, phrase on stderr
     (["--num_clients", "2", "--", "/nonexistent/cmd"], "'/nonexistent/cmd' is not an executable"),
     (["--num_clients", "2", "--network", "bogus", "--", "true"], "invalid choice: 'bogus'"),
     (["--num_clients", "2", "--colour", "red", "--", "true"], "unrecognized arguments: --colour"),
+    # Issue 41: the command without '--', and an elastic floor that no restart would use.
+    (["--num_clients", "2", "true"], "the command to launch goes after '--'"),
+    (["--num_clients", "2", "--min_clients", "1", "--", "true"], "no restart would come"),
 ]
 
 
