@@ -328,6 +328,9 @@ class DistributedDataset:
         self._dataset = dataset
         self._local = _clients > 1
         self._has_weights = len(dataset.element_spec) == 3
+        # The class count a sparse loss implies (the model's outputs), set by dtk.Trainer when
+        # InputConfig.num_classes is not given: labels are checked against it on the host.
+        self.implied_classes: int | None = None
         self.label_dtypes = tuple(s.dtype for s in tf.nest.flatten(dataset.element_spec[1]))
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
@@ -450,19 +453,21 @@ class DistributedDataset:
             yield self._pad(element)
 
     def _check_labels(self, labels) -> None:
-        classes = self.config.num_classes
+        classes = self.config.num_classes or self.implied_classes
+        source = (f"InputConfig(num_classes={classes})" if self.config.num_classes else
+                  f"the model has {classes} outputs and a sparse loss")
         for leaf in tf.nest.flatten(labels):
             leaf = np.asarray(leaf)
             bad = leaf[(leaf < 0) | (leaf >= classes)]
             if bad.size:
                 raise ValueError(
                     f"labels hold {bad.size} value(s) outside [0, {classes}) in a batch (e.g. "
-                    f"{bad.flat[0]}; InputConfig(num_classes={classes})); fix the labels or the "
-                    "number of classes (the model's outputs)")
+                    f"{bad.flat[0]}; {source}); fix the labels or the number of classes (the "
+                    "model's outputs)")
 
     def _pad(self, element: tuple) -> tuple:
         features, labels = element[0], element[1]
-        if self.config.num_classes is not None:
+        if self.config.num_classes is not None or getattr(self, "implied_classes", None):
             self._check_labels(labels)
         n = len(tf.nest.flatten(labels)[0])
         weights = (np.asarray(element[2], np.float32) if self._has_weights

@@ -355,6 +355,11 @@ class Trainer:
                 f"steps_per_execution={stacked}; build the training data with "
                 f"InputConfig(steps_per_call={stacked}) (evaluation data with 1)")
         _check_label_kind(self.steps.loss_fn, getattr(data, "label_dtypes", ()))
+        if _is_sparse_loss(self.steps.loss_fn) and hasattr(data, "implied_classes") and \
+                data.config.num_classes is None:
+            outputs = getattr(self.model, "outputs", None) or []
+            if len(outputs) == 1 and outputs[0].shape[-1] and outputs[0].shape[-1] > 1:
+                data.implied_classes = int(outputs[0].shape[-1])  # ids checked before the step
         if not data.num_batches:
             raise ValueError(
                 f"data has no batches: {data.num_examples} example(s) with global_batch_size="
@@ -776,13 +781,17 @@ def _describe(value) -> str:
     return value if isinstance(value, str) else type(value).__name__
 
 
-def _check_label_kind(loss_fn, label_dtypes) -> None:
-    """Float labels with a sparse (integer class id) loss would be truncated: refuse them."""
+def _is_sparse_loss(loss_fn) -> bool:
+    """Whether the loss takes integer class ids (sparse categorical crossentropy)."""
     target = getattr(loss_fn, "fn", loss_fn)
     owner = getattr(target, "__self__", None)
-    sparse = isinstance(owner, tf_keras.losses.SparseCategoricalCrossentropy) or getattr(
+    return isinstance(owner, tf_keras.losses.SparseCategoricalCrossentropy) or getattr(
         target, "__name__", "") == "sparse_categorical_crossentropy"
-    if sparse and any(d.is_floating for d in label_dtypes):
+
+
+def _check_label_kind(loss_fn, label_dtypes) -> None:
+    """Float labels with a sparse (integer class id) loss would be truncated: refuse them."""
+    if _is_sparse_loss(loss_fn) and any(d.is_floating for d in label_dtypes):
         raise ValueError(
             f"labels are {', '.join(sorted({d.name for d in label_dtypes}))}, but the loss is "
             "sparse categorical crossentropy, which takes integer class ids (floats would be "

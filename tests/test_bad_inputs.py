@@ -334,6 +334,10 @@ API_CASES = [  # (id, call, exception, phrase)
     ("plan input_shape wrong", lambda: dtk.plan(
         dtk.models.mnist_mlp, devices=8, global_batch_size=64, input_shape="28x28"), ValueError,
      "input_shape must be one example's shape as positive integers"),
+    ("label ids beyond the model's classes", lambda: _trainer().fit(
+        input_lib.DistributedDataset(_ds(classes=13), _mesh(), input_lib.InputConfig(
+            global_batch_size=32)), epochs=1), ValueError,
+     "outside [0, 10) in a batch (e.g. 1"),
     ("allow_change typo on a fresh run", lambda: _trainer(
         config=dtk.TrainerConfig(verbose=0, allow_change=("learning_rat",))).fit(
             _data(), epochs=1), ValueError,
