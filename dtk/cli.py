@@ -91,7 +91,8 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
         "expressions, comma-separated, or 'blocks' for the model's own choice (the LM: every "
         "block's attention and MLP). Same numbers, less activation memory.")),
     "grad_accum": SharedFlag(kind="integer", default=1, help=(
-        "Gradient accumulation: split each batch into this many microbatches and make one "
+        "Gradient accumulation (also --microbatches): split each batch into this many "
+        "microbatches and make one "
         "update from their summed gradients (same numbers as one batch; it must divide the "
         "per-device batch).")),
     "async_checkpoints": SharedFlag(kind="bool", default=True, help=(
@@ -126,6 +127,11 @@ OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
 OUTPUT_FILE_FLAGS = ("summary_json",)
 
 
+# Other names a flag answers to: the planner speaks of microbatches (--explain_plan's
+# "microbatches=4" is --grad_accum 4).
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"grad_accum": ("microbatches",)}
+
+
 def define_flags(names, **defaults: Any) -> None:
     """Defines the shared flags ``names`` in absl's global FLAGS (a script's default may differ).
 
@@ -146,6 +152,8 @@ def define_flags(names, **defaults: Any) -> None:
         else:
             getattr(flags, f"DEFINE_{spec.kind}")(name, default, spec.help,
                                                   module_name=module_name)
+        for alias in FLAG_ALIASES.get(name, ()):
+            flags.DEFINE_alias(alias, name, module_name=module_name)
     if defaults:
         raise TypeError(f"defaults for flags not defined here: {sorted(defaults)}")
 

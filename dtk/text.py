@@ -119,7 +119,9 @@ def windows(data: bytes, *, seq_len: int, stride: int | None = None) -> tf.data.
     array = np.frombuffer(data, np.uint8)
     starts = np.arange(0, len(array) - seq_len - 1, stride)
     if not len(starts):
-        raise ValueError(f"text of {len(array)} bytes is shorter than one window ({seq_len + 1})")
+        raise ValueError(f"seq_len {seq_len} (--seq_len) needs windows of {seq_len + 1} bytes, "
+                         f"but the text has {len(array)}; use a smaller --seq_len (at most "
+                         f"{max(len(array) - 2, 0)}) or a longer text")
     index = starts[:, None] + np.arange(seq_len + 1)[None, :]
     chunks = array[index]
     return tf.data.Dataset.from_tensor_slices((chunks[:, :-1].astype(np.int32),

@@ -167,6 +167,12 @@ def run() -> dict:
         return {}
 
     corpus = text.load_corpus(FLAGS.text_file)
+    shortest = min(len(corpus.train), len(corpus.heldout))
+    if FLAGS.seq_len + 2 > shortest:
+        raise cli.UsageError(
+            f"--seq_len {FLAGS.seq_len} needs windows of {FLAGS.seq_len + 1} bytes, but the text "
+            f"has {len(corpus.train):,} training and {len(corpus.heldout):,} held-out bytes; use "
+            f"--seq_len {max(shortest - 2, 1)} or less, or a longer text")
     unigram = text.unigram_bits_per_byte(corpus.train)
     say(f"text: {corpus.source}, {len(corpus.train):,} training and {len(corpus.heldout):,} "
         f"held-out bytes; byte-unigram entropy {unigram:.3f} bits/byte", flush=True)

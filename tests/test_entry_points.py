@@ -51,6 +51,7 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--text_file", "/no/such/file"], "--text_file '/no/such/file' is not a file"),
     (["--prompt", ""], "--prompt is empty"),
     (["--seq_len", "0"], "--seq_len must be a positive integer"),
+    (["--microbatches", "2", "--mesh", "batch=8", "--steps", "2"], ACCEPTED),
     (["--mesh", "auto", "--noshard_optimizer_state"],
      "--mesh auto chooses --noshard_optimizer_state itself"),
 ]

@@ -166,3 +166,19 @@ def test_train_lm_mesh_auto_equals_its_plan_given_by_hand(tmp_path):
     np.testing.assert_allclose(auto["train_loss"], given["train_loss"], rtol=1e-6)
     one = _train_lm(tmp_path, "one", "--mesh", "batch=1")
     np.testing.assert_allclose(auto["train_loss"], one["train_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_train_lm_seq_len_longer_than_the_text_names_the_flag(tmp_path):
+    """Issue 41: one error line that names --seq_len and the longest that fits."""
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 2000)
+    res = subprocess.run(
+        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--text_file", str(corpus),
+         "--seq_len", "100000", "--steps", "2"],
+        capture_output=True, text=True, timeout=200, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 2, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--seq_len 100000 needs windows of 100001 bytes" in errors[0], \
+        res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
