@@ -167,6 +167,15 @@ def _check_flags(dtk) -> None:
     for name in ("trials", "epochs", "workers", "concurrent", "validation_examples"):
         if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    # A multi-client trial holds its driver's CPU and one per worker: a local Ray with fewer
+    # CPUs would wait for a placement group that can never be placed.
+    need = FLAGS.workers + 1 if FLAGS.workers > 1 else 1
+    if FLAGS.num_cpus is not None and not FLAGS.address and FLAGS.num_cpus < need:
+        raise UsageError(f"--num_cpus {FLAGS.num_cpus} cannot hold one trial: --workers "
+                         f"{FLAGS.workers} takes {need} CPUs (the trial's driver and one per "
+                         f"worker); use --num_cpus {need} or more, or fewer --workers")
+    if FLAGS.storage_path:
+        cli.check_output_path("storage_path", FLAGS.storage_path, kind="dir")
     if FLAGS.mesh == cli.AUTO_MESH:
         raise UsageError("--mesh auto plans one training run (train_mnist.py, train_lm.py); a Tune "
                          "search compares trials on one mesh: give it, e.g. --mesh batch=4")

@@ -69,6 +69,10 @@ TUNE_CASES = [
     (["--summary_json", "{dir}"], "is a directory; give a file path"),
     (["--trials", "0"], "--trials must be a positive integer"),
     (["--dataset", "idx"], "--dataset idx needs --data_dir DIR"),
+    # Issue 41: refused before Ray starts (it waited 156 s for CPUs that never came).
+    (["--workers", "4", "--num_cpus", "2", "--mesh", "batch=8"],
+     "--num_cpus 2 cannot hold one trial: --workers 4 takes 5 CPUs"),
+    (["--storage_path", "/proc/x"], "--storage_path '/proc/x' is not writable"),
 ]
 
 _RUNNER = textwrap.dedent("""
