@@ -789,7 +789,7 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
       PlanError: no candidate fits, with the smallest shortfall and the fix.
       ValueError: bad arguments, named.
     """
-    from dtk import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk import cluster as cluster_lib, layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     if not callable(model_factory):
         raise TypeError(f"model_factory must be a function that builds the tf_keras model (e.g. "
                         f"dtk.models.mnist_mlp); got {type(model_factory).__name__} "
@@ -823,6 +823,10 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                          f"the batch dim (e.g. (28, 28, 1)); got {input_shape!r}")
     table = layouts.load_table(table or "data_parallel")
     kind = mesh_lib.resolve_device_type(device_type)
+    if devices is not None and kind == "CPU" and not mesh_lib.is_tensorflow_initialized() \
+            and not cluster_lib.is_multi_client():
+        # A CPU-only process: ``devices`` virtual CPUs, as the README's dtk.plan(..., devices=8).
+        mesh_lib.configure_virtual_cpus(devices)
     if devices is None:  # every device of every client (initializes TensorFlow's devices)
         devices = mesh_lib.build_mesh("batch=-1", device_type=kind).size
     budget = None if device_memory_gb is None else int(device_memory_gb * 1024 * MIB)

@@ -243,3 +243,17 @@ def test_input_spec_and_label_range_default_to_the_models():
     assert p.chosen.mesh == "batch=8"
     profile = planner.profile_model(MLP)
     assert (profile.input_shape, profile.input_dtype, profile.outputs) == ((28, 28, 1), "float32", 10)
+
+
+@pytest.mark.slow
+def test_plan_with_devices_works_in_a_fresh_cpu_process():
+    """Issue 41: dtk.plan(..., devices=8), as the README shows it, in a fresh CPU-only process
+    (it failed, advising a virtual_devices= that dtk.plan does not take)."""
+    code = ("import dtk\n"
+            "from tests.test_planner import MACHINE, STEP\n"
+            "p = dtk.plan(dtk.models.mnist_mlp, devices=8, global_batch_size=64, machine=MACHINE,"
+            " step=STEP)\n"
+            "print('CHOSEN', p.chosen.label)\n")
+    res = procs.run_python(code, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "CHOSEN batch=" in res.stdout, res.stdout[-2000:]
