@@ -202,16 +202,26 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
       UsageError: conflicting flags, or no plan fits (the planner's arithmetic and fix).
     """
     from dtk import mesh as mesh_lib, planner  # pylint: disable=g-import-not-at-top
-    if values("mesh") == AUTO_MESH:
-        given = [f"--{n}" for n, chosen in (("fsdp", bool(values("fsdp"))),
-                                             ("remat", bool(values("remat"))),
-                                             ("grad_accum", (values("grad_accum") or 1) != 1),
-                                             ("noshard_optimizer_state",
-                                              values("shard_optimizer_state") is False))
-                 if chosen]
+    given = [f"--{n}" for n, chosen in (("fsdp", bool(values("fsdp"))),
+                                         ("remat", bool(values("remat"))),
+                                         ("grad_accum", (values("grad_accum") or 1) != 1),
+                                         ("noshard_optimizer_state",
+                                          values("shard_optimizer_state") is False))
+             if chosen]
+    if values("mesh") == AUTO_MESH and given:
+        raise UsageError(f"--mesh auto chooses {', '.join(given)} itself; drop "
+                         f"{'them' if len(given) > 1 else 'it'}, or give a mesh")
+    if values("explain_plan"):
+        # The plan compares the planner's candidates; a flag it would not show is an error.
         if given:
-            raise UsageError(f"--mesh auto chooses {', '.join(given)} itself; drop "
-                             f"{'them' if len(given) > 1 else 'it'}, or give a mesh")
+            raise UsageError(f"--explain_plan compares the planner's candidates, which choose "
+                             f"{', '.join(given)} themselves, so the plan would not show "
+                             f"{'them' if len(given) > 1 else 'it'}; drop "
+                             f"{'them' if len(given) > 1 else 'it'}, or see this configuration's "
+                             "weights with --explain_layouts")
+        if values("explain_layouts"):
+            raise UsageError("--explain_plan and --explain_layouts each print one report and "
+                             "exit; give one of them")
     kind = mesh_lib.resolve_device_type(values("device") or "auto")
     virtual = values("virtual_devices")
     if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:

@@ -52,6 +52,9 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--prompt", ""], "--prompt is empty"),
     (["--seq_len", "0"], "--seq_len must be a positive integer"),
     (["--microbatches", "2", "--mesh", "batch=8", "--steps", "2"], ACCEPTED),
+    (["--explain_plan", "--fsdp", "--grad_accum", "4"],
+     "--explain_plan compares the planner's candidates, which choose --fsdp, --grad_accum"),
+    (["--explain_plan", "--explain_layouts"], "give one of them"),
     (["--mesh", "auto", "--noshard_optimizer_state"],
      "--mesh auto chooses --noshard_optimizer_state itself"),
 ]
