@@ -331,6 +331,9 @@ class DistributedDataset:
         # The class count a sparse loss implies (the model's outputs), set by dtk.Trainer when
         # InputConfig.num_classes is not given: labels are checked against it on the host.
         self.implied_classes: int | None = None
+        # Rows per device of a padded batch are a multiple of this (dtk.Trainer sets its
+        # gradient accumulation steps, so that the padded last batch splits into microbatches).
+        self.row_multiple = 1
         self.label_dtypes = tuple(s.dtype for s in tf.nest.flatten(dataset.element_spec[1]))
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
@@ -474,7 +477,8 @@ class DistributedDataset:
                    else np.ones(n, np.float32))
         axis = (len(_local_batch_indices(self.mesh, self.config.batch_axis)) if self._local
                 else self.mesh.dim_size(self.config.batch_axis))
-        padded = -(-n // axis) * axis
+        unit = axis * getattr(self, "row_multiple", 1)
+        padded = -(-n // unit) * unit
         if padded > n:
             pad = lambda a: np.concatenate(  # noqa: E731
                 [a, np.zeros((padded - n, *a.shape[1:]), a.dtype)])

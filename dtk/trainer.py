@@ -404,6 +404,8 @@ class Trainer:
                 f"model {type(self.model).__name__} overrides train_step, which receives (x, y) "
                 "and cannot tell padding from examples, but the training data pads its last "
                 "batch (InputConfig(remainder='pad')); use remainder='drop' for training")
+        if hasattr(train_data, "row_multiple"):  # a padded last batch splits into microbatches
+            train_data.row_multiple = self.config.gradient_accumulation_steps
         steps_lib.check_accumulation(train_data.config.global_batch_size, self.mesh,
                                      self.config.gradient_accumulation_steps, self.config.batch_axis)
         if validation_data is not None:  # before the first step, not after the first epoch

@@ -335,3 +335,19 @@ def test_fsdp_step_holds_one_layer_gathered_at_a_time(tmp_path):
     assert out["scheduled"][0] < gathered_on_all_devices / 2, out
     assert out["unscheduled"][0] > gathered_on_all_devices, out
     assert out["scheduled"][1] == pytest.approx(out["unscheduled"][1], rel=1e-6), out
+
+
+def test_accumulation_with_a_padded_last_batch_equals_one_device():
+    """Issue 41: remainder='pad' with gradient accumulation pads the last batch to rows that the
+    microbatches divide (it failed at the padded batch, naming a batch the user never set), and
+    the padding, weighted 0, leaves the numbers of one device."""
+    def run(spec, **config):
+        trainer = _trainer("mlp", spec, **config)
+        rng = np.random.default_rng(1)
+        data = input_lib.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((rng.random((50, 28, 28, 1), dtype=np.float32),
+                                                rng.integers(0, 10, 50).astype(np.int64))),
+            trainer.mesh, input_lib.InputConfig(global_batch_size=16, remainder="pad"))
+        return trainer.fit(data, epochs=1).history["loss"]
+    np.testing.assert_allclose(run("batch=8", gradient_accumulation_steps=2), run("batch=1"),
+                               rtol=1e-5)
