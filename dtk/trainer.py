@@ -569,7 +569,21 @@ class Trainer:
             return 0, 0
         self._check_settings(state.get("settings"))
         self.steps.sync_update_state()
-        if state.get("steps_per_epoch") != steps_per_epoch:
+        epoch, skip = int(state["epoch"]), int(state["batch_in_epoch"])
+        if state.get("steps_per_epoch") != steps_per_epoch and self.resume_changes:
+            # A change allowed on purpose (the batch size, the data) moved the epoch's batches:
+            # the run goes on from an epoch boundary, and says what that costs.
+            if skip:
+                if cluster.is_lead_client():
+                    _log.warning(
+                        "Resuming with %s changed: the epoch's batches moved (%s steps per epoch, "
+                        "now %d), so the run goes on at epoch %d; the last %d of epoch %d's %s "
+                        "batches were not trained", ", ".join(self.resume_changes),
+                        state.get("steps_per_epoch"), steps_per_epoch, epoch + 2,
+                        int(state.get("steps_per_epoch") or 0) - skip, epoch + 1,
+                        state.get("steps_per_epoch"))
+                epoch, skip = epoch + 1, 0
+        elif state.get("steps_per_epoch") != steps_per_epoch:
             raise ValueError(
                 f"checkpoint {self._checkpointer.restored} was written with {state.get('steps_per_epoch')}"
                 f" steps per epoch, but this data gives {steps_per_epoch}: the data or the global "
@@ -581,8 +595,8 @@ class Trainer:
                                history={k: list(v) for k, v in state["history"]["logs"].items()})
         if cluster.is_lead_client() and self.config.verbose:
             _log.info("Resumed from %s: epoch %d, batch %d, step %d", self._checkpointer.restored,
-                      state["epoch"] + 1, state["batch_in_epoch"], self.global_step)
-        return int(state["epoch"]), int(state["batch_in_epoch"])
+                      epoch + 1, skip, self.global_step)
+        return epoch, skip
 
     def _check_allow_change(self) -> None:
         """Every name in ``allow_change`` is a setting this run records (on a fresh run too).

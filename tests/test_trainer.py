@@ -422,3 +422,25 @@ def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
     assert second.global_step == 18 and second.steps_per_execution == 2
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_allowed_batch_size_change_resumes_at_the_next_epoch(tmp_path, caplog):
+    """Issue 41: --allow_change global_batch_size is honoured at the resume (it was refused again
+    there): stopped mid-epoch, the run goes on from the next epoch, with a warning naming the
+    batches of the stopped epoch that were not trained."""
+    first = _trainer(checkpoint_dir=str(tmp_path), max_steps=3, steps_per_execution=1)
+    first.fit(_data(first.mesh), epochs=2)
+    assert first.global_step == 3
+    second = _trainer(checkpoint_dir=str(tmp_path), steps_per_execution=1,
+                      allow_change=("global_batch_size",))
+    ds = tf.data.Dataset.from_tensor_slices(_arrays(N_TRAIN, 0))
+    data = input_lib.DistributedDataset(ds, second.mesh, input_lib.InputConfig(
+        global_batch_size=BATCH // 2, shuffle=True, seed=5))
+    with caplog.at_level("WARNING", logger="dtk"):
+        history = second.fit(data, epochs=2)
+    assert second.resume_changes["global_batch_size"] == {"old": BATCH, "new": BATCH // 2}
+    assert second.global_step == 3 + data.num_batches  # epoch 2 only, at the new batch size
+    assert len(history.history["loss"]) == 1
+    assert any("the last 3 of epoch 1's 6 batches were not trained" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
