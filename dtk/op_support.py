@@ -77,10 +77,10 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
     UnsupportedOp(
         op="ReverseV2",
         layers=("Bidirectional", "RandomFlip"),
-        handling="Bidirectional: equivalent, the reverse along time of its return_sequences "
-                 "output as a product with the exchange matrix (exact; dtk.op_support.reverse; "
-                 "the unrolled backward layer reverses its steps in Python, no op). RandomFlip: "
-                 "refused before the first step: augment in the tf.data pipeline instead"),
+        handling="equivalent: the reverse as a product with the exchange matrix (exact; "
+                 "dtk.op_support.reverse): Bidirectional's return_sequences output along time "
+                 "(the unrolled backward layer reverses its steps in Python, no op); RandomFlip's "
+                 "flips, each example flipped or not by one mesh-invariant draw (dtk.randomness)"),
     UnsupportedOp(
         op="ImageProjectiveTransformV3",
         layers=("RandomRotation", "RandomTranslation", "RandomZoom"),
@@ -252,6 +252,28 @@ def _bidirectional_call(call):
     return wrapped
 
 
+def _random_flip_call(self, inputs, training=True):
+    """``RandomFlip.call`` with flips DTensor can lay out: one uniform draw per example and flip
+    (from the layer's generator: mesh-invariant under dtk.randomness, as Dropout's masks), then
+    ``where(draw < 0.5, reverse(x), x)`` on the image's width (horizontal) and height (vertical)
+    dims. Batched images only (rank 4, as in a model); outside training, the images as they are.
+    """
+    if not training:
+        return inputs
+    if inputs.shape.rank != 4 or inputs.shape[0] is None:
+        raise ValueError(f"layer {self.name!r} (RandomFlip) under dtk takes batched images "
+                         f"[batch, height, width, channels] of static shape; got {inputs.shape}")
+    x = inputs
+    batch = int(x.shape[0])
+    for mode, axis in (("horizontal", 2), ("vertical", 1)):
+        if mode not in self.mode:
+            continue
+        draw = self._random_generator.random_uniform([batch], 0.0, 1.0, dtype=tf.float32)
+        flip = tf.reshape(draw < 0.5, [batch, 1, 1, 1])
+        x = tf.where(flip, reverse(x, [axis]), x)
+    return x
+
+
 def avg_pool(x, ksize, strides, padding, data_format="NHWC"):
     """``tf.nn.avg_pool`` on NHWC inputs whose gradient DTensor can lay out.
 
@@ -368,6 +390,8 @@ def adapt_layers(model: tf_keras.Model) -> list[str]:
             layer.call = types.MethodType(_discretization_call, layer)
         elif isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D)):
             layer.pool_function = avg_pool
+        elif kind is L.RandomFlip:
+            layer.call = types.MethodType(_random_flip_call, layer)
         elif isinstance(layer, L.Bidirectional):
             _ReverseEquivalent.install()
             layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
@@ -445,7 +469,7 @@ def check_layers(model: tf_keras.Model) -> None:
 
 
 # Augmentation layers refused (their image ops have no layout propagation).
-_AUGMENTATION = ("RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom")
+_AUGMENTATION = ("RandomRotation", "RandomTranslation", "RandomZoom")
 
 
 def _static_timesteps(layer) -> int | None:

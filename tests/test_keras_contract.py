@@ -437,3 +437,20 @@ def test_bidirectional_lstm_with_sequences_trains_like_keras_fit(mask_zero):
     keras_history, _ = _keras_fit(bilstm(mask_zero, unroll=mask_zero), x, y, epochs=2)
     history, _ = _dtk_fit(bilstm(mask_zero), "batch=8", x, y, epochs=2)
     _close(history.history, keras_history)
+
+
+def test_random_flip_equivalent_flips_whole_examples():
+    """RandomFlip under dtk (issue 40): each example is itself, or exactly its mirror image, about
+    half of them flipped per mode; at inference the images pass unchanged. Its draws on a mesh
+    are mesh-invariant (tests/test_layer_table.py, the RandomFlip rows, against batch=1)."""
+    import types  # pylint: disable=import-outside-toplevel
+    from dtk import op_support  # pylint: disable=import-outside-toplevel
+    layer = layers.RandomFlip("horizontal", seed=1)
+    layer.call = types.MethodType(op_support._random_flip_call, layer)  # pylint: disable=protected-access
+    x = tf.constant(np.random.default_rng(0).random((64, 5, 6, 2)), tf.float32)
+    out = layer(x, training=True).numpy()
+    mirrored = x.numpy()[:, :, ::-1, :]
+    same = np.all(out == x.numpy(), axis=(1, 2, 3))
+    flipped = np.all(out == mirrored, axis=(1, 2, 3))
+    assert np.all(same | flipped) and 16 < flipped.sum() < 48, flipped.sum()
+    np.testing.assert_array_equal(layer(x, training=False), x)

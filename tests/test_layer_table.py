@@ -173,7 +173,8 @@ TABLE = {
     "GRU(dropout)": (*single(lambda: L.GRU(4, dropout=0.2), "seq"), REFUSED),  # needs unroll=True
     "MultiHeadAttention(dropout)": (*single(
         lambda: _SelfAttention(dropout=0.3), "seq"), RANDOM),
-    "RandomFlip": (*single(lambda: L.RandomFlip(), "img"), REFUSED),
+    "RandomFlip": (*single(lambda: L.RandomFlip(), "img"), RANDOM),
+    "RandomFlip(horizontal)": (*single(lambda: L.RandomFlip("horizontal"), "img"), RANDOM),
     "RandomContrast": (*single(lambda: L.RandomContrast(0.2), "img"), UNCOVERED),
     "RandomBrightness": (*single(lambda: L.RandomBrightness(0.2), "img"), RANDOM),
     "RandomCrop": (*single(lambda: L.RandomCrop(6, 6), "img"), RANDOM),

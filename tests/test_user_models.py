@@ -187,8 +187,9 @@ def test_build_logs_the_equivalents(caplog):
 @pytest.mark.parametrize("factory, words", [
     (lambda: tf_keras.Sequential([tf_keras.Input((None, 4)), L.LSTM(3)]),
      ["'lstm", "static sequence", "fixed"]),
-    (lambda: tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.RandomFlip(), L.Dense(2)]),
-     ["random_flip", "ReverseV2", "tf.data"]),
+    (lambda: tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.RandomRotation(0.1),
+                                  L.Dense(2)]),
+     ["random_rotation", "ImageProjectiveTransformV3", "tf.data"]),
     (lambda: tf_keras.Sequential([tf_keras.Input((4, 4, 4, 2)), L.AveragePooling3D(),
                                   L.Dense(2)]),
      ["average_pooling3d", "AvgPool3DGrad"]),
