@@ -59,8 +59,7 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
     UnsupportedOp(
         op="AvgPool3DGrad",
         layers=("AveragePooling3D",),
-        handling="refused before the first step (no equivalent yet): use MaxPooling3D or a "
-                 "strided Conv3D"),
+        handling="equivalent: as AvgPoolGrad, in three dims (dtk.op_support.avg_pool3d)"),
     UnsupportedOp(
         op="TensorListFromTensor",
         layers=("LSTM", "GRU", "SimpleRNN", "RNN", "Bidirectional", "ConvLSTM1D", "ConvLSTM2D",
@@ -304,6 +303,56 @@ def avg_pool(x, ksize, strides, padding, data_format="NHWC"):
     return total * tf.constant((1.0 / count)[None, :, :, None], dtype=x.dtype)
 
 
+def avg_pool3d(x, ksize, strides, padding, data_format="NDHWC"):
+    """``tf.nn.avg_pool3d`` on NDHWC inputs whose gradient DTensor can lay out (it lacks
+    ``AvgPool3DGrad``): as ``avg_pool``, in three spatial dims. Non-overlapping 'VALID' windows
+    are a reshape and a mean; others the sum of the window's strided slices over the count of
+    real inputs each window covers."""
+    if data_format not in ("NDHWC", "channels_last", None):
+        raise ValueError(f"dtk's 3D average pooling takes channels_last (NDHWC) inputs; got "
+                         f"data_format={data_format!r}")
+    ksize, strides = _three(ksize), _three(strides)
+    padding = padding.upper()
+    sizes, channels = [int(d) for d in x.shape[1:4]], int(x.shape[4])
+    if padding == "VALID" and ksize == strides:
+        outs = [n // k for n, k in zip(sizes, ksize)]
+        x = x[:, :outs[0] * ksize[0], :outs[1] * ksize[1], :outs[2] * ksize[2], :]
+        d, h = outs[0] * ksize[0], outs[1] * ksize[1]
+        # One spatial dim at a time (rank 6 at most: TensorFlow's CPU broadcast, in the
+        # gradient of a mean, stops at rank 6).
+        x = tf.reduce_mean(tf.reshape(x, [-1, d, h, outs[2], ksize[2], channels]), axis=4)
+        x = tf.reduce_mean(tf.reshape(x, [-1, d, outs[1], ksize[1], outs[2], channels]), axis=3)
+        return tf.reduce_mean(tf.reshape(x, [-1, outs[0], ksize[0], outs[1], outs[2], channels]),
+                              axis=2)
+    outs, pads = [], []
+    for n, k, st in zip(sizes, ksize, strides):
+        if padding == "SAME":
+            out, before, after = _same_padding(n, k, st)
+        else:
+            out, before, after = _valid_size(n, k, st), 0, 0
+        outs.append(out)
+        pads.append([before, after])
+    xp = tf.pad(x, [[0, 0], *pads, [0, 0]])
+    ones = np.pad(np.ones(sizes, np.float64), pads)
+    total, count = 0, np.zeros(outs, np.float64)
+    for i in range(ksize[0]):
+        for j in range(ksize[1]):
+            for k in range(ksize[2]):
+                spans = [slice(t, t + (o - 1) * st + 1, st)
+                         for t, o, st in zip((i, j, k), outs, strides)]
+                total = total + xp[:, spans[0], spans[1], spans[2], :]
+                count += ones[spans[0], spans[1], spans[2]]
+    return total * tf.constant((1.0 / count)[None, :, :, :, None], dtype=x.dtype)
+
+
+def _three(values) -> tuple[int, int, int]:
+    """Spatial (depth, height, width) of a 3-tuple or of an NDHWC 5-tuple."""
+    values = tuple(int(v) for v in (values if isinstance(values, (list, tuple)) else [values]))
+    if len(values) == 5:
+        return values[1], values[2], values[3]
+    return values * 3 if len(values) == 1 else values[:3]
+
+
 def _two(values) -> tuple[int, int]:
     """Spatial (height, width) of a 2-tuple or of an NHWC 4-tuple like (1, h, w, 1)."""
     values = tuple(int(v) for v in (values if isinstance(values, (list, tuple)) else [values]))
@@ -390,6 +439,8 @@ def adapt_layers(model: tf_keras.Model) -> list[str]:
             layer.call = types.MethodType(_discretization_call, layer)
         elif isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D)):
             layer.pool_function = avg_pool
+        elif isinstance(layer, L.AveragePooling3D):
+            layer.pool_function = avg_pool3d
         elif kind is L.RandomFlip:
             layer.call = types.MethodType(_random_flip_call, layer)
         elif isinstance(layer, L.Bidirectional):
@@ -420,7 +471,8 @@ def check_layers(model: tf_keras.Model) -> None:
     L = tf_keras.layers  # pylint: disable=invalid-name
     for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
         name = type(layer).__name__
-        if isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D, L.DepthwiseConv2D,
+        if isinstance(layer, (L.AveragePooling1D, L.AveragePooling2D, L.AveragePooling3D,
+                              L.DepthwiseConv2D,
                               L.SeparableConv2D, L.DepthwiseConv1D, L.SeparableConv1D)) and \
                 not _channels_last(layer):
             raise ValueError(
@@ -438,11 +490,6 @@ def check_layers(model: tf_keras.Model) -> None:
                 f"layer {layer.name!r} ({name}) uses {_op_of(name)}, which DTensor cannot lay "
                 "out; augment in the tf.data pipeline instead (dtk.DistributedDataset runs it on "
                 "the host: dataset.map(...) before batching)")
-        if isinstance(layer, L.AveragePooling3D):
-            raise ValueError(
-                f"layer {layer.name!r} (AveragePooling3D) uses AvgPool3DGrad, which DTensor "
-                "cannot lay out, and dtk has no equivalent for it yet; use "
-                "tf_keras.layers.MaxPooling3D, or a strided Conv3D")
         if isinstance(layer, L.RNN) and not layer.unroll:
             cells = getattr(layer.cell, "cells", [layer.cell])
             rates = {k: getattr(c, k, 0) for c in cells for k in ("dropout", "recurrent_dropout")

@@ -70,6 +70,20 @@ def test_avg_pool_equals_tensorflow(size, pool, stride, padding):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("size, pool, stride, padding", [
+    ((4, 6, 6), 2, 2, "VALID"), ((5, 7, 6), 3, 2, "SAME"), ((4, 5, 5), 3, 1, "VALID")])
+def test_avg_pool3d_equals_tensorflow(size, pool, stride, padding):
+    x = tf.constant(np.random.default_rng(1).standard_normal((2, *size, 3)), tf.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        want = tf.nn.avg_pool3d(x, pool, stride, padding)
+        got = op_support.avg_pool3d(x, (pool,) * 3, (stride,) * 3, padding)
+        loss_want, loss_got = tf.reduce_sum(want ** 3), tf.reduce_sum(got ** 3)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(tape.gradient(loss_got, x), tape.gradient(loss_want, x),
+                               rtol=1e-5, atol=1e-6)
+
+
 # -- models ---------------------------------------------------------------------------------------
 def mobilenet_blocks():
     """MobileNetV2's inverted residuals (expand, depthwise stride 2, project) and a separable
@@ -190,9 +204,9 @@ def test_build_logs_the_equivalents(caplog):
     (lambda: tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.RandomRotation(0.1),
                                   L.Dense(2)]),
      ["random_rotation", "ImageProjectiveTransformV3", "tf.data"]),
-    (lambda: tf_keras.Sequential([tf_keras.Input((4, 4, 4, 2)), L.AveragePooling3D(),
-                                  L.Dense(2)]),
-     ["average_pooling3d", "AvgPool3DGrad"]),
+    (lambda: tf_keras.Sequential([tf_keras.Input((3, 6, 6, 1)),
+                                  L.ConvLSTM2D(2, 3), L.Flatten(), L.Dense(2)]),
+     ["conv_lstm2d", "ConvLSTM2D", "recurrent loop"]),
 ])
 def test_unsupported_layers_refused_before_any_step(factory, words):
     with pytest.raises(ValueError) as err:
