@@ -227,6 +227,10 @@ class IndexedRandomGenerator(keras_backend.RandomGenerator):
     @staticmethod
     def _static_shape(shape) -> list[int] | None:
         value = tf.get_static_value(shape) if tf.is_tensor(shape) else shape
+        if value is None and tf.is_tensor(shape) and shape.op.type == "Pack":
+            # Dropout's noise_shape with None dims (EfficientNet's stochastic depth:
+            # (None, 1, 1, 1)) is packed from tf.shape(inputs)[i]: each piece is static.
+            value = list(shape.op.inputs)
         if value is None:
             return None
         dims = [_static_dim(n) if tf.is_tensor(n) else n for n in value]

@@ -165,6 +165,9 @@ TABLE = {
                                PARITY),
     # random layers: equal on every mesh (dtk.randomness); a few draw outside it (UNCOVERED)
     "Dropout": (*single(lambda: L.Dropout(0.3), "vec"), RANDOM),
+    # EfficientNet's stochastic depth: a mask per example (noise_shape with a None dim).
+    "Dropout(noise_shape)": (*single(lambda: L.Dropout(0.3, noise_shape=(None, 1, 1, 1)),
+                                     "img"), RANDOM),
     "AlphaDropout": (*single(lambda: L.AlphaDropout(0.3), "vec"), RANDOM),
     "GaussianDropout": (*single(lambda: L.GaussianDropout(0.3), "vec"), RANDOM),
     "GaussianNoise": (*single(lambda: L.GaussianNoise(0.3), "vec"), RANDOM),
