@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -188,6 +189,18 @@ def _keras_loss(loss: Any) -> Any:
     if isinstance(loss, str) and loss.strip().lower() in LOSSES:
         return LOSSES[loss.strip().lower()]()
     return loss
+
+
+_LOOPS = itertools.count()
+
+
+def _loop_name(kind: str) -> str:
+    """A name no other while loop of the process has: tf.while_loop names its cond and body
+    functions after a per-graph counter ('while6_cond'), and two step functions traced in one
+    process could register different bodies under one name in the eager context ("Cannot add
+    function 'while6_cond' because a different function with the same name already exists",
+    seen under DTensor when many steps are traced in one process)."""
+    return f"dtk_{kind}_{next(_LOOPS)}"
 
 
 def _scalar_zero(mesh: dtensor.Mesh) -> tf.Tensor:
@@ -429,7 +442,8 @@ class Steps:
         zero = tf.zeros_like(count)
         acc = [tf.zeros_like(v.read_value()) for v in variables]
         out = tf.while_loop(lambda j, *_: j < k, body,
-                            (tf.constant(0), zero, _scalar_zero(self.mesh), *acc))
+                            (tf.constant(0), zero, _scalar_zero(self.mesh), *acc),
+                            name=_loop_name("accumulate"))
         return out[1], list(out[3:]), out[2]
 
     def _warn_uncovered_random_ops(self):
@@ -492,7 +506,8 @@ class Steps:
                 return i + 1, body(tuple(tf.gather(t, i) for t in stack))
 
             _, loss = tf.while_loop(lambda i, _: i < n, step,
-                                    (tf.zeros_like(n), _scalar_zero(mesh)))
+                                    (tf.zeros_like(n), _scalar_zero(mesh)),
+                                    name=_loop_name("steps"))
             return loss
 
         # One trace per stack length (reduce_retracing's generalized trace of this while loop

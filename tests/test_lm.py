@@ -139,8 +139,8 @@ def test_train_lm_learns_and_generates(tmp_path):
 def _train_lm(tmp_path, name, *flags):
     summary = tmp_path / f"{name}.json"
     res = subprocess.run(
-        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--steps", "20",
-         "--eval_every", "10", "--eval_batches", "2", "--sample_bytes", "0", "--seq_len", "64",
+        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--steps", "12",
+         "--eval_every", "6", "--eval_batches", "1", "--sample_bytes", "0", "--seq_len", "32",
          "--layers", "1", "--dropout", "0.1", "--summary_json", str(summary), *flags],
         capture_output=True, text=True, timeout=400, cwd=procs.REPO,
         env=procs.base_env(DTK_PLAN_CACHE=str(tmp_path / "plan_cache.json")))
