@@ -120,7 +120,8 @@ def test_a_batch_the_mesh_cannot_divide_is_a_reason_not_a_crash():
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="global_batch_size must be a positive integer; got 0"):
         _plan(batch=0)
-    with pytest.raises(ValueError, match="device_memory_gb must be positive; got -1"):
+    with pytest.raises(ValueError, match=r"device_memory_gb must be a positive number of GiB "
+                                         r"\(e.g. 0.5\); got -1"):
         _plan(gb=-1)
     with pytest.raises(ValueError, match="devices must be a positive integer .*; got 0"):
         _plan(devices=0)

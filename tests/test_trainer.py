@@ -137,10 +137,12 @@ def test_resume_with_other_data_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"other settings: train_examples 200 -> 100\. .*"
                                          r"--allow_change train_examples"):
         again.fit(_data(again.mesh, n=100), epochs=2)
-    # Allowed, the size still cannot resume at the same position: that is said too.
+    # Allowed on purpose (issue 41), the run goes on from the checkpoint's epoch boundary: epoch
+    # 2 trains on the new data's 3 batches.
     allowed = _trainer(checkpoint_dir=str(tmp_path), allow_change=("train_examples",))
-    with pytest.raises(ValueError, match="6 steps per epoch, but this data gives 3"):
-        allowed.fit(_data(allowed.mesh, n=100), epochs=2)
+    allowed.fit(_data(allowed.mesh, n=100), epochs=2)
+    assert allowed.global_step == 6 + 3
+    assert allowed.resume_changes["train_examples"] == {"old": 200, "new": 100}
 
 
 @pytest.mark.parametrize("change, kwargs, listed", [
