@@ -112,6 +112,7 @@ def test_compiled_optimizer_trains_like_keras_fit(optimizer, mesh):
     assert trainer.model.optimizer is trainer.optimizer  # as after compile()
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 # C: "accuracy" and "acc" resolve as in Keras: categorical, sparse or binary by the shapes.
 @pytest.mark.parametrize("metric, classes, one_hot, loss, activation", [
     ("accuracy", 10, True, "categorical_crossentropy", "softmax"),
@@ -128,6 +129,7 @@ def test_accuracy_resolves_like_keras(metric, classes, one_hot, loss, activation
     _close(history.history, keras_history)
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 # L: the reported loss is Keras's, regularization included (training and evaluation).
 def test_reported_loss_includes_regularization():
     factory = convnet(regularizer=tf_keras.regularizers.l2(1e-2))
@@ -193,6 +195,7 @@ def _ticket_data():
     return x, y
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 @pytest.mark.parametrize("mesh", ["batch=8", "batch=1"])
 def test_per_output_losses_with_weights_train_like_keras_fit(mesh):
     x, y = _ticket_data()
@@ -283,6 +286,7 @@ def _regression_data():
             rng.random((N * B, 1), dtype=np.float32))
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 @pytest.mark.parametrize("factory, mesh", [(custom_fit, "batch=8"), (custom_fit, "batch=1"),
                                            (low_level_fit, "batch=8")],
                          ids=["custom_fit-batch=8", "custom_fit-batch=1", "low_level-batch=8"])
@@ -371,6 +375,7 @@ def _text_data():
             rng.integers(0, 2, N * B).astype(np.int64))
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 @pytest.mark.parametrize("name", ["nested_stem", "text_transformer"])
 def test_nested_sequentials_train_resume_and_export(name, tmp_path):
     factory, (x, y) = {"nested_stem": (nested_stem, _data()),
@@ -425,6 +430,7 @@ def test_reverse_equals_tf_reverse():
     np.testing.assert_array_equal(op_support.reverse(mask, [1]), tf.reverse(mask, [1]))
 
 
+@pytest.mark.slow  # the fast lane keeps the compiled-optimizer case and the unit tests
 @pytest.mark.parametrize("mask_zero", [False, True])
 def test_bidirectional_lstm_with_sequences_trains_like_keras_fit(mask_zero):
     rng = np.random.default_rng(0)
