@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,14 +154,55 @@ def check_accumulation(global_batch_size: int, mesh: dtensor.Mesh, steps: int,
 def _function(fn: Callable, *, jit_compile: bool, reduce_retracing: bool = False) -> Callable:
     """``tf.function`` of dtk's step code: no AutoGraph for it, AutoGraph for the user code it calls.
 
-    See ``_user_code_autograph``.
+    See ``_user_code_autograph``. The result retraces (at most twice per call) when DTensor
+    cannot register a function of its compilation (``_StaleFunctionRetry``).
     """
     @functools.wraps(fn)
     def traced(*args):
         with _user_code_autograph():
             return fn(*args)
-    return tf.function(traced, jit_compile=jit_compile, autograph=False,
-                       reduce_retracing=reduce_retracing)
+    return _StaleFunctionRetry(lambda: tf.function(traced, jit_compile=jit_compile,
+                                                   autograph=False,
+                                                   reduce_retracing=reduce_retracing))
+
+
+# DTensor's SPMD compilation outlines control flow into functions named after the op
+# ('dtk_accumulate_12_body', 'while6_cond') and registers them in the process's eager context.
+# When DTensor compiles a step function a second time (its cache key changed: for instance a
+# small integer input it folded as a constant on the first call changed), the second one can
+# produce a function of the same name with other contents, and the call fails before it runs:
+# "Cannot add function 'X' because a different function with the same name already exists"
+# (seen in long test processes, about once per full suite). Nothing has run at that point, so
+# retracing (new op names, see ``_loop_name``) and calling again is safe.
+_STALE_FUNCTION = re.compile(r"Cannot add function '([^']+)' because a different function with "
+                             r"the same name already exists")
+_STALE_RETRIES = 2
+
+
+class _StaleFunctionRetry:
+    """A ``tf.function`` made by ``factory``, made again (a fresh trace) and called again when a
+    call fails on a stale DTensor function name (``_STALE_FUNCTION``); other errors propagate."""
+
+    def __init__(self, factory: Callable[[], Callable]):
+        self._factory = factory
+        self._fn = factory()
+
+    def __call__(self, *args):
+        retries = 0
+        while True:
+            try:
+                return self._fn(*args)
+            except tf.errors.InvalidArgumentError as e:
+                found = _STALE_FUNCTION.search(str(e))
+                if found is None or retries == _STALE_RETRIES:
+                    raise
+                retries += 1
+                from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+                context.async_clear_error()
+                _log.info("DTensor could not register function %r of a recompiled step (a "
+                          "name from an earlier compilation); retracing the step and calling "
+                          "again", found.group(1))
+                self._fn = self._factory()
 
 
 def _user_code_autograph():

@@ -255,3 +255,41 @@ for usual in (True, False):
     assert usual_on > 1e-3, f"combining all-reduces no longer breaks usual steps ({usual_on})"
     assert float(on.stdout.split("DTK")[1].split()[0]) < 1e-5
     assert float(off.stdout.split("DTK")[1].split()[0]) < 1e-5
+
+
+_STALE = ("Cannot add function 'dtk_accumulate_12_body' because a different function with the "
+          "same name already exists. [Op:__inference_one_477318]")
+
+
+@pytest.mark.parametrize("failures, other, calls, raises", [
+    (0, False, 1, False),   # the usual call: traced once
+    (1, False, 2, False),   # a stale DTensor function name: traced again, called again
+    (2, False, 3, False),
+    (3, False, 3, True),    # still stale after two fresh traces: the error is the user's to see
+    (1, True, 1, True),     # any other error propagates at once, untouched
+])
+def test_a_stale_dtensor_function_name_retraces_the_step(failures, other, calls, raises):
+    """CI saw "Cannot add function 'dtk_accumulate_12_body' ..." once per full suite: DTensor
+    compiled a step again and its outlined loop body clashed with the earlier compilation's.
+    The step function is made again (new loop names) and called again; nothing else is retried."""
+    from dtk import steps  # pylint: disable=import-outside-toplevel
+    made, called = [], []
+
+    def factory():
+        made.append(1)
+
+        def fn(x):
+            called.append(x)
+            if len(called) <= failures:
+                message = "Incompatible shapes" if other else _STALE
+                raise tf.errors.InvalidArgumentError(None, None, message)
+            return x + 1
+        return fn
+
+    compiled = steps._StaleFunctionRetry(factory)  # pylint: disable=protected-access
+    if raises:
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            compiled(1)
+    else:
+        assert compiled(1) == 2
+    assert len(called) == calls and len(made) == calls
