@@ -665,6 +665,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "build; the factory must build the same model every time")
         materialize.assign_global(variable, functools.partial(
             materialize.initial_value if lazy else lambda v: v.numpy(), source))
+    materialize.release_free_memory()  # what the last weights freed (assign_global trims in steps)
     if targets:
         raise ValueError(f"model_factory built different models on two calls: weights "
                          f"{sorted(targets)[:4]} of the laid-out build are not in the plain build; "
