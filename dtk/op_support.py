@@ -25,6 +25,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk.mesh import BATCH_AXIS
 
 _log = logging.getLogger("dtk")
 
@@ -415,9 +418,10 @@ def _channels_last(layer) -> bool:
     return getattr(layer, "data_format", "channels_last") == "channels_last"
 
 
-def adapt_layers(model: tf_keras.Model) -> list[str]:
+def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list[str]:
     """Replaces, in the laid-out ``model``'s layers, every op of ``UNSUPPORTED_OPS`` that has an
-    equivalent. Returns one line per kind of change, for the log.
+    equivalent, and the lookups into Embedding tables sharded on their rows
+    (``row_sharded_lookup``). Returns one line per kind of change, for the log.
 
     Raises:
       ValueError: a layer uses an unsupported op that dtk cannot replace (``check_layers``).
@@ -446,6 +450,10 @@ def adapt_layers(model: tf_keras.Model) -> list[str]:
         elif isinstance(layer, L.Bidirectional):
             _ReverseEquivalent.install()
             layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
+        elif isinstance(layer, L.Embedding) and row_sharded_table(layer) is not None:
+            layer._dtk_table_layout = row_sharded_table(layer)  # pylint: disable=protected-access
+            layer._dtk_batch_axis = batch_axis  # pylint: disable=protected-access
+            layer.call = types.MethodType(_row_sharded_embedding_call, layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it
@@ -457,9 +465,79 @@ def adapt_layers(model: tf_keras.Model) -> list[str]:
     for kind, names in changed.items():
         what = ("unrolled (DTensor cannot lay out the recurrent loop's TensorList ops; the "
                 "values are the same)" if "RNN" in kind or kind in ("LSTM", "GRU", "SimpleRNN")
+                else "tables sharded on their rows, looked up block by block (one all-reduce "
+                "over the rows' axis; same values and gradients)" if kind == "Embedding"
                 else "run with dtk's DTensor-compatible equivalent (same values and gradients)")
         lines.append(f"{kind} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: {what}")
     return lines
+
+
+def row_sharded_table(layer: tf_keras.layers.Embedding) -> dtensor.Layout | None:
+    """The layout of ``layer``'s table when it is sharded on dim 0 (its rows), else None."""
+    table = getattr(getattr(layer, "embeddings", None), "_variable", getattr(layer, "embeddings",
+                                                                              None))
+    if table is None:
+        return None
+    try:
+        layout = dtensor.fetch_layout(table)
+    except (ValueError, TypeError, tf.errors.OpError):  # not a DTensor (a plain build)
+        return None
+    return layout if layout.sharding_specs[0] != dtensor.UNSHARDED else None
+
+
+def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
+                       batch_axis: str | None) -> tf.Tensor:
+    """``tf.gather(table, ids)`` for a table sharded on its rows, from ops DTensor lays out.
+
+    DTensor's ResourceGather refuses a table sharded on dim 0 ("does not support sharded 0th
+    dimension"). The table ``[rows, dim]``, sharded over axis ``a`` of size ``S``, is viewed as
+    ``[S, rows / S, dim]`` sharded on dim 0: device ``s`` holds rows ``s * rows / S`` onward.
+    Every device gathers the local row ``id % (rows / S)`` of its own block for every id, keeps
+    the ids it owns (``id // (rows / S) == s``) and zeros the rest; the sum over the ``S``
+    blocks (one all-reduce over ``a``) is the lookup. Its gradient reaches the table sharded
+    like the table (the read goes through ``dtensor.relayout`` to the table's own layout), never
+    at full size. Example: 64 rows on ``model=4`` hold 16 rows a device; id 37 is row 5 of
+    device 2's block.
+
+    Args:
+      table: the ``[rows, dim]`` variable (or its value), laid out as ``layout``.
+      ids: integer ids of any shape, batch-sharded on ``batch_axis`` (None: replicated).
+      layout: the table's layout; ``sharding_specs[0]`` is the axis its rows are sharded on.
+      batch_axis: the mesh's batch axis, which shards the ids' dim 0.
+
+    Returns:
+      ``[*ids.shape, dim]``, as ``tf.gather(table, ids)``.
+    """
+    mesh = layout.mesh
+    rows_axis, cols_axis = layout.sharding_specs
+    shards = mesh.dim_size(rows_axis)
+    rows, dim = table.shape
+    per = rows // shards
+    unsharded = dtensor.UNSHARDED
+    ids_axis = batch_axis if batch_axis in mesh.dim_names and batch_axis not in (
+        rows_axis, cols_axis) else unsharded
+    ids_specs = [ids_axis] + [unsharded] * (ids.shape.rank - 1)
+    ids = dtensor.relayout(ids, dtensor.Layout(ids_specs, mesh))
+    value = dtensor.relayout(tf.convert_to_tensor(table), layout)
+    blocks = dtensor.relayout(tf.reshape(value, [shards, per, dim]),
+                              dtensor.Layout([rows_axis, unsharded, cols_axis], mesh))
+    gathered = tf.gather(blocks, ids % per, axis=1)  # [S, *ids.shape, dim]
+    # Which block owns each id, as a one-hot over the blocks (an equality of broadcast ids and
+    # block numbers crashed DTensor's layout propagation here; one_hot did not).
+    owned = dtensor.relayout(tf.one_hot(ids // per, shards, axis=0, dtype=gathered.dtype),
+                             dtensor.Layout([rows_axis, *ids_specs], mesh))
+    return tf.reduce_sum(gathered * owned[..., None], axis=0)
+
+
+def _row_sharded_embedding_call(self, inputs):
+    """``Embedding.call`` on a table sharded on its rows (``row_sharded_lookup``)."""
+    if inputs.dtype not in (tf.int32, tf.int64):
+        inputs = tf.cast(inputs, tf.int32)
+    layout = self._dtk_table_layout  # pylint: disable=protected-access
+    out = row_sharded_lookup(self.embeddings, inputs, layout, self._dtk_batch_axis)  # pylint: disable=protected-access
+    if self._dtype_policy.compute_dtype != self._dtype_policy.variable_dtype:  # pylint: disable=protected-access
+        out = tf.cast(out, self._dtype_policy.compute_dtype)  # pylint: disable=protected-access
+    return out
 
 
 def check_layers(model: tf_keras.Model) -> None:

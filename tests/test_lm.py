@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from tensorflow.experimental import dtensor
 
 import dtk
 from dtk import input as input_lib
@@ -82,13 +83,45 @@ def test_every_weight_has_a_rule_and_model_shards_most_bytes():
     assert per_device < total / 3
 
 
-def test_vocab_sharded_embedding_is_rejected_before_dtensor(tmp_path):
+# The LM's own table with its token embedding sharded on dim 0 (the vocabulary) instead of dim 1.
+_FEATURES_RULE = 'pattern = \'embed\\.embeddings\'\ndims = ["unsharded", "model"]'
+_LM_TABLE = (procs.REPO / "layouts" / "transformer_lm.toml").read_text()
+assert _FEATURES_RULE in _LM_TABLE, "the LM table's embedding rule changed"
+
+
+def _rows_table(axis):
+    return _LM_TABLE.replace(_FEATURES_RULE, _FEATURES_RULE.replace('["unsharded", "model"]',
+                                                                    f'["{axis}", "unsharded"]'))
+
+
+@pytest.mark.parametrize("spec, axis", [("batch=4,model=2", "model"), ("batch=2,model=4", "model"),
+                                        ("batch=8", "batch")])
+def test_vocab_sharded_embedding_trains_like_one_device(tmp_path, spec, axis):
+    """Issue 43: a table sharded on its rows (DTensor's gather refuses it) is looked up block by
+    block (dtk.op_support.row_sharded_lookup): the same losses as one device, and the table and
+    its gradient stay sharded on their rows."""
     table = tmp_path / "rows.toml"
-    table.write_text('axes = ["batch", "model"]\n[[rules]]\npattern = "embed\\\\.embeddings"\n'
-                     'dims = ["model", "unsharded"]\n')
+    table.write_text(_rows_table(axis))
+    mesh = dtk.build_mesh(spec)
+    model, _ = layouts.build_model(FACTORY, mesh, str(table), seed=7)
+    embeddings = model.get_layer("embed").embeddings
+    assert dtensor.fetch_layout(embeddings).sharding_specs[0] == axis
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=_optimizer("adam", mesh), mesh=mesh,
+                      config=dtk.StepConfig(shard_optimizer_state=False))
+    x, y = _data()
+    losses = [float(steps.train(input_lib.pack(mesh, (x[i], y[i], np.ones(B, np.float32)))))
+              for i in range(N)]
+    np.testing.assert_allclose(losses, _reference("adam"), rtol=1e-5)
+    assert dtensor.fetch_layout(embeddings).sharding_specs[0] == axis
+
+
+def test_vocab_sharded_embedding_under_fsdp_is_refused_before_dtensor(tmp_path):
+    table = tmp_path / "rows.toml"
+    table.write_text(_rows_table("model"))
     with pytest.raises(ValueError, match=r"weight embed.embeddings \[64, 32\] is an Embedding table "
-                                         r"sharded on dim 0 .*Shard dim 1"):
-        layouts.plan_layouts(str(table), dtk.build_mesh("batch=4,model=2"), FACTORY)
+                                         r"sharded on dim 0 .*gathered by FSDP.*Drop fsdp"):
+        layouts.plan_layouts(str(table), dtk.build_mesh("batch=4,model=2"), FACTORY, fsdp=True)
 
 
 def test_memory_budget_shows_the_arithmetic():
