@@ -518,6 +518,13 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
         rows_axis, cols_axis) else unsharded
     ids_specs = [ids_axis] + [unsharded] * (ids.shape.rank - 1)
     ids = dtensor.relayout(ids, dtensor.Layout(ids_specs, mesh))
+    # An id outside the table would find no owner and look up zeros; plain Keras fails on it.
+    in_range = tf.reduce_all(tf.logical_and(ids >= 0, ids < rows))
+    checked = tf.debugging.Assert(in_range, [f"an id is outside [0, {rows}) of an Embedding "
+                                             "table sharded on its rows", tf.reduce_min(ids),
+                                             tf.reduce_max(ids)], summarize=2)
+    with tf.control_dependencies([checked]):
+        ids = tf.identity(ids)
     value = dtensor.relayout(tf.convert_to_tensor(table), layout)
     blocks = dtensor.relayout(tf.reshape(value, [shards, per, dim]),
                               dtensor.Layout([rows_axis, unsharded, cols_axis], mesh))

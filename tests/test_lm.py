@@ -5,6 +5,7 @@ import functools
 import json
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -114,6 +115,34 @@ def test_vocab_sharded_embedding_trains_like_one_device(tmp_path, spec, axis):
               for i in range(N)]
     np.testing.assert_allclose(losses, _reference("adam"), rtol=1e-5)
     assert dtensor.fetch_layout(embeddings).sharding_specs[0] == axis
+
+
+@pytest.mark.slow
+def test_an_id_outside_a_row_sharded_table_fails_the_step(tmp_path):
+    """An id no block owns would look up zeros; like plain Keras on CPU, the step fails instead,
+    naming the table's range and the id (in a fresh process: a failed step cancels DTensor's
+    collectives for the rest of its process)."""
+    res = procs.run_python(textwrap.dedent("""
+        import pathlib, sys
+        import numpy as np, dtk
+        from dtk import layouts, input as input_lib
+        from tests import test_lm as t
+        table = pathlib.Path(sys.argv[1])
+        table.write_text(t._rows_table("model"))
+        mesh = dtk.build_mesh("batch=4,model=2", device_type="cpu")
+        model, _ = layouts.build_model(t.FACTORY, mesh, str(table), seed=7)
+        steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                          optimizer=t._optimizer("adam", mesh), mesh=mesh)
+        x, y = t._data()
+        x[0, 0, 0] = 70
+        try:
+            float(steps.train(input_lib.pack(mesh, (x[0], y[0], np.ones(t.B, np.float32)))))
+        except Exception as e:  # pylint: disable=broad-except
+            print("FAILED", type(e).__name__, str(e).splitlines()[0][-200:])
+        """), args=(str(tmp_path / "rows.toml"),), timeout=200)
+    assert "FAILED InvalidArgumentError" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "an id is outside [0, 64) of an Embedding table sharded on its rows" in res.stdout
+    assert "[70]" in res.stdout
 
 
 def test_vocab_sharded_embedding_under_fsdp_is_refused_before_dtensor(tmp_path):
