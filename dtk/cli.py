@@ -75,6 +75,10 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
     "explain_plan": SharedFlag(kind="bool", default=False, help=(
         "Print the planner's candidates (mesh x FSDP x remat x microbatches): memory per "
         "device, predicted ms/step, chosen or why not; then exit.")),
+    "plot": SharedFlag(kind="string", default=None, help=(
+        "With --explain_plan or --mesh auto: also draw the planner's candidates (predicted "
+        "ms/step against memory per device, the budget line, the chosen plan) as a PNG here "
+        "(needs matplotlib; checked before planning).")),
     "device_memory_gb": SharedFlag(kind="float", default=None, help=(
         "Per-device memory budget in GiB for weights + optimizer state, checked before any "
         "variable exists.")),
@@ -121,10 +125,10 @@ TRAINING_FLAGS = ("mesh", "device", "virtual_devices", "layout", "seed", "learni
                   "checkpoint_dir", "restart_from_scratch", "allow_change", "export_dir", "tensorboard_dir",
                   "summary_json", "explain_layouts", "device_memory_gb", "shard_optimizer_state",
                   "mixed_precision", "allow_replicated", "fsdp", "remat", "grad_accum",
-                  "async_checkpoints", "explain_plan")
+                  "async_checkpoints", "explain_plan", "plot")
 # Output paths: every one is checked before training by ``check_output_path``.
 OUTPUT_DIR_FLAGS = ("checkpoint_dir", "export_dir", "tensorboard_dir")
-OUTPUT_FILE_FLAGS = ("summary_json",)
+OUTPUT_FILE_FLAGS = ("summary_json", "plot")
 
 
 # Other names a flag answers to: the planner speaks of microbatches (--explain_plan's
@@ -176,6 +180,9 @@ def check_shared_flags(values: Callable[[str], Any]) -> None:
         value = values(name)
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UsageError(f"--{name} must be a positive, finite number; got {value}")
+    if values("plot") and not (values("explain_plan") or values("mesh") == AUTO_MESH):
+        raise UsageError(f"--plot {values('plot')} draws the planner's candidates: give "
+                         "--explain_plan or --mesh auto with it")
     for name in OUTPUT_DIR_FLAGS:
         if values(name):
             check_output_path(name, values(name), kind="dir")
@@ -223,18 +230,27 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
             raise UsageError("--explain_plan and --explain_layouts each print one report and "
                              "exit; give one of them")
     kind = mesh_lib.resolve_device_type(values("device") or "auto")
+    if values("plot"):
+        try:
+            import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+        except ImportError:
+            raise UsageError(f"--plot {values('plot')}: drawing the plan needs matplotlib: pip "
+                             "install 'dtk[bench]'") from None
     virtual = values("virtual_devices")
     if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:
         virtual = DEFAULT_CPU_DEVICES
     devices = mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
     try:
-        return planner.plan(factory, devices=devices, global_batch_size=global_batch_size,
+        plan = planner.plan(factory, devices=devices, global_batch_size=global_batch_size,
                             device_memory_gb=values("device_memory_gb"), table=table,
                             input_shape=input_shape, input_dtype=input_dtype,
                             num_classes=num_classes, optimizer=optimizer,
                             remat_patterns=remat_patterns, device_type=kind)
     except planner.PlanError as e:
         raise UsageError(f"--mesh auto: {e}") from None
+    if values("plot"):
+        planner.plot_plan(plan, values("plot"))
+    return plan
 
 
 def apply_plan(flags, plan) -> None:

@@ -100,6 +100,10 @@ class StepCalibration:
     fsdp_microbatch_ms: float = 0.0
     batch_sizes: tuple[int, ...] = ()
     measured_ms: tuple[float, ...] = ()
+    # The candidate the step was timed on when the replicated step on batch=D does not fit the
+    # budget ("" : batch=D), and what was assumed rather than measured there.
+    measured_on: str = ""
+    assumed: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -622,23 +626,37 @@ def calibrate_machine(device_type: str, devices: int, *, cache: str | None = Non
 def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: MachineCalibration,
                    device_type: str, devices: int, batch: int, input_shape: Sequence[int], input_dtype: str,
                    loss: Any, optimizer: Any, remat_patterns: Sequence[str], num_classes: int,
-                   cache: str | None = None, refresh: bool = False) -> StepCalibration:
+                   cache: str | None = None, refresh: bool = False,
+                   on: Candidate | None = None) -> StepCalibration:
     """Times the model's own step on ``batch=D`` at ``batch`` rows and at half of them (and at
     ``batch`` with remat), the steps alternating call by call so that noise hits them alike.
 
     ``batch`` is the global batch, or the microbatch that fits the budget on ``batch=D``: the
     prediction for the likeliest plans is then a measurement, not an extrapolation.
+
+    ``on``: a candidate that fits the budget, for a model whose replicated step on ``batch=D``
+    does not (``_calibrate_on``): the step is timed there instead, one build at a time, so the
+    calibration never holds more than that candidate's memory per device.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from dtk import input as input_lib, layouts, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
     path = cache or cache_path()
     key = (f"step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
-           f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}")
+           f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}"
+           f"{'/on ' + on.label if on is not None else ''}")
     cached = _cached(path, key, refresh)
     if cached:
         return StepCalibration(**{k: tuple(v) if isinstance(v, list) else v
                                   for k, v in cached.items()})
+    if on is not None:
+        result = _calibrate_on(on, model_factory=model_factory, profile=profile, table=table,
+                               machine=machine, device_type=device_type, batch=batch,
+                               input_shape=input_shape, input_dtype=input_dtype, loss=loss,
+                               optimizer=optimizer, remat_patterns=remat_patterns,
+                               num_classes=num_classes)
+        _store_cache(path, key, dataclasses.asdict(result))
+        return result
     mesh = mesh_lib.build_mesh(",".join(f"{a}={devices if a == 'batch' else 1}" for a in
                                         ["batch"] + [a for a in table.axes if a != "batch"]),
                                device_type=device_type)
@@ -691,6 +709,119 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
                              measured_ms=tuple(measured.values()))
     _store_cache(path, key, dataclasses.asdict(result))
     return result
+
+
+# What a remat candidate's step costs more than the same step without remat, when only the
+# remat step fits the budget and so cannot be compared: the forward pass again, about a third
+# of a step (forward + backward, the backward about twice the forward).
+ASSUMED_REMAT_SHARE = 1 / 3
+
+
+def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
+                  machine: MachineCalibration, device_type: str, batch: int,
+                  input_shape: Sequence[int], input_dtype: str, loss: Any, optimizer: Any,
+                  remat_patterns: Sequence[str], num_classes: int) -> StepCalibration:
+    """The cost model's figures from the step of candidate ``on`` (one that fits the budget),
+    for a model whose replicated step on ``batch=D`` does not fit.
+
+    The candidate's step is timed at ``batch`` rows and at about half of them, on one build of
+    the model, dropped afterwards (never more than the candidate's memory per device). The cost
+    model's collectives for that candidate (``predict_ms`` with no compute) are subtracted, and
+    what is left is the compute ``a + e * B`` that every candidate shares. Not measured there:
+    the share remat adds when ``on`` uses remat (``ASSUMED_REMAT_SHARE``), and a microbatch's
+    own cost (in ``a`` and ``e`` when ``on`` has microbatches); ``explain_plan`` says so.
+    """
+    import gc  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib, layouts, materialize, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    mesh = mesh_lib.build_mesh(on.mesh, device_type=device_type)
+    sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
+    b, k = sizes.get("batch", 1), on.microbatches
+    unit = b * k
+    half = batch // 2 // unit * unit
+    batches = (batch, half) if half >= unit and half != batch else (batch,)
+    remat = tuple(remat_patterns) if on.remat else ()
+    rng = np.random.default_rng(0)
+
+    def timed() -> list[float]:
+        # One build for both batch sizes (each is traced once): a second build would hold a
+        # second copy while the first is released.
+        model, _ = layouts.build_model(
+            model_factory, mesh, table, seed=0, input_shape=input_shape, input_dtype=input_dtype,
+            allow_replicated=True, fsdp=on.update == "fsdp")
+        step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh, config=steps.StepConfig(
+            remat=remat, gradient_accumulation_steps=k,
+            shard_optimizer_state=on.update == "zero" and b > 1))
+        try:
+            out = []
+            for rows in batches:
+                shape = [rows, *input_shape]
+                if "int" in input_dtype:
+                    x = rng.integers(0, num_classes, shape).astype(input_dtype)
+                else:
+                    x = rng.standard_normal(shape).astype(input_dtype)
+                y = rng.integers(0, num_classes, [rows, *model.output_shape[1:-1]]).astype(np.int64)
+                packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
+                # Few calls: each step of a model that needs sharding is long.
+                out.append(alternating_ms([lambda: float(tf.reduce_sum(step.train(packed)))],
+                                          rounds=3, warmup=1)[0])
+                del packed
+            return out
+        finally:
+            del step, model
+            gc.collect()
+            materialize.release_free_memory()
+
+    level = _log.level
+    _log.setLevel(logging.ERROR)  # the real run gives the builds' notes, once
+    try:
+        measured = timed()
+    finally:
+        _log.setLevel(level)
+    plan = layouts.plan_weights(table, _Axes(sizes), profile.weights,
+                                fsdp_paths=[p for p, _, _ in profile.weights]
+                                if on.update == "fsdp" else ())
+    share = ASSUMED_REMAT_SHARE if on.remat else 0.0
+    none = StepCalibration(a_ms=0.0, e_ms=0.0, remat_share=share)
+
+    def compute(rows: int, ms: float) -> float:
+        collectives = predict_ms(profile, plan, machine, none, global_batch_size=rows,
+                                 update=on.update, remat=on.remat, microbatches=k,
+                                 remat_patterns=remat)
+        return max(ms - collectives, 0.0) / (1 + share)
+
+    computed = [compute(rows, ms) for rows, ms in zip(batches, measured)]
+    if len(batches) == 2:
+        e = max((computed[0] - computed[1]) / (batches[0] - batches[1]), 0.0)
+        a = max(computed[0] - e * batches[0], 0.0)
+    else:  # one batch size only: all of it counted per example
+        a, e = 0.0, computed[0] / batches[0]
+    assumed = [f"remat +{share:.0%}"] if on.remat else []
+    if k > 1:
+        assumed.append(f"the {k} microbatches' own cost counted in the compute")
+    if len(batches) == 1:
+        assumed.append("one batch size: no per-call overhead separated")
+    return StepCalibration(a_ms=a, e_ms=e, remat_share=share, batch_sizes=batches,
+                           measured_ms=tuple(measured), measured_on=on.label,
+                           assumed="; ".join(assumed))
+
+
+def calibration_candidate(candidates: Sequence[Candidate], devices: int) -> Candidate | None:
+    """Where to time the model's step: None (on ``batch=D``, replicated) when some data-parallel
+    candidate fits the budget, else the fitting candidate closest to it, or None when none fits
+    (``choose`` says why). Closest: without remat (its share is then measured in the step, not
+    assumed), the most batch, the fewest microbatches, the sharded update before FSDP, the least
+    memory."""
+    runnable = [c for c in candidates if c.rejected is None]
+    if any(c.fits and not c.remat and c.mesh.split(",")[0] == f"batch={devices}"
+           for c in runnable):
+        return None
+    fitting = [c for c in runnable if c.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: (c.remat, -int(c.mesh.split(",")[0].split("=")[1]),
+                                       c.microbatches, c.update == "fsdp", c.memory["total"]))
 
 
 def paired_ms(anchor: Callable[[], Any], variants: dict[str, Callable[[], Callable[[], Any]]],
@@ -850,6 +981,10 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                          and c.mesh.split(",")[0] == f"batch={devices}"]
         fitting = [c for c in data_parallel if c.fits] or data_parallel
         rows = global_batch_size // min((c.microbatches for c in fitting), default=1)
+        # A model whose replicated step does not fit is timed on a candidate that does.
+        on = calibration_candidate(untimed, devices) if budget is not None else None
+        if on is not None:
+            rows = global_batch_size
         if machine is None:
             machine = calibrate_machine(kind, devices, cache=cache, refresh=refresh)
         if step is None:
@@ -858,7 +993,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                                   devices=devices, batch=max(rows, devices),
                                   input_shape=input_shape, input_dtype=input_dtype, loss=loss,
                                   optimizer=optimizer, remat_patterns=remat_patterns,
-                                  num_classes=num_classes, cache=cache, refresh=refresh)
+                                  num_classes=num_classes, cache=cache, refresh=refresh,
+                                  on=on)
     machine, step = _agree(machine, step)
     candidates = enumerate_candidates(profile, table, machine=machine, step=step, **common)
     chosen = choose(candidates)
@@ -866,6 +1002,50 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                chosen.predicted_ms or 0.0, _mib(chosen.memory["total"]))
     return Plan(chosen=chosen, candidates=tuple(candidates), machine=machine, step=step,
                 global_batch_size=global_batch_size, table=table.name)
+
+
+def plot_plan(p: Plan, path: str) -> None:
+    """Draws every candidate as predicted ms/step against memory per device, with the budget
+    as a vertical line and the chosen plan marked, into the PNG ``path`` (needs matplotlib).
+
+    Raises:
+      ValueError: matplotlib is not installed (named, with the install command).
+    """
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        raise ValueError("drawing the plan needs matplotlib: pip install 'dtk[bench]' (or pip "
+                         "install matplotlib)") from None
+    timed = [c for c in p.candidates if c.rejected is None and c.predicted_ms is not None]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for fits, color, label in ((True, "tab:blue", "fits the budget"),
+                               (False, "tab:gray", "over the budget")):
+        group = [c for c in timed if c.fits == fits and c is not p.chosen]
+        if group:
+            ax.scatter([c.memory["total"] / MIB for c in group],
+                       [c.predicted_ms for c in group], color=color, label=label, s=30)
+    chosen = p.chosen
+    ax.scatter([chosen.memory["total"] / MIB], [chosen.predicted_ms], color="tab:red", marker="*",
+               s=250, label=f"chosen: {chosen.label}", zorder=3)
+    for c in timed:
+        ax.annotate(c.label, (c.memory["total"] / MIB, c.predicted_ms), fontsize=6,
+                    xytext=(4, 2), textcoords="offset points")
+    if chosen.budget is not None:
+        ax.axvline(chosen.budget / MIB, color="tab:red", linestyle="--",
+                   label=f"budget {chosen.budget / MIB:.0f} MiB per device")
+    ax.set_xlabel("memory per device (MiB): weights, optimizer state, gradients, gathered, "
+                  "activations")
+    ax.set_ylabel("predicted ms per step")
+    where = f" (step timed on {p.step.measured_on})" if p.step.measured_on else ""
+    ax.set_title(f"dtk plan: {p.machine.devices} {p.machine.device_kind.upper()} devices, global "
+                 f"batch {p.global_batch_size}, table {p.table}{where}", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def explain_plan(p: Plan) -> str:
@@ -895,9 +1075,13 @@ def explain_plan(p: Plan) -> str:
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     s = p.step
     m = s.measured_ms
-    lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch (measured "
-                 f"{m[0]:.1f} ms at batch {s.batch_sizes[0]}, {m[1]:.1f} ms at "
-                 f"{s.batch_sizes[1]} on batch={p.machine.devices}); remat "
+    timed = ", ".join(f"{ms:.1f} ms at batch {rows}" for ms, rows in zip(m, s.batch_sizes))
+    where = (f"the step timed on {s.measured_on} ({timed}; the replicated step on "
+             f"batch={p.machine.devices} does not fit the budget), less that candidate's "
+             f"predicted collectives, scaled to every candidate by the cost model"
+             f"{'; assumed: ' + s.assumed if s.assumed else ''}" if s.measured_on else
+             f"measured {timed} on batch={p.machine.devices}")
+    lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch ({where}); remat "
                  f"+{s.remat_share:.0%}; a microbatch +{s.microbatch_ms:.1f} ms (FSDP +"
                  f"{s.fsdp_microbatch_ms:.1f} ms) and its gradient reduction; gathers: " + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in

@@ -57,6 +57,10 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--explain_plan", "--explain_layouts"], "give one of them"),
     (["--mesh", "auto", "--noshard_optimizer_state"],
      "--mesh auto chooses --noshard_optimizer_state itself"),
+    # Issue 42: the plan's picture, checked before planning.
+    (["--plot", "{dir}/plan.png", "--mesh", "batch=8"],
+     "plan.png draws the planner's candidates: give --explain_plan or --mesh auto"),
+    (["--plot", "/proc/nope/plan.png", "--explain_plan"], "is not writable"),
 ]
 
 TUNE_CASES = [
