@@ -724,8 +724,9 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     """The cost model's figures from the step of candidate ``on`` (one that fits the budget),
     for a model whose replicated step on ``batch=D`` does not fit.
 
-    The candidate's step is timed at ``batch`` rows and at about half of them, on one build of
-    the model, dropped afterwards (never more than the candidate's memory per device). The cost
+    The candidate's step is timed at half and a quarter of ``batch`` rows (where the mesh and the
+    microbatches divide them), on one build of the model, dropped afterwards (never more than
+    the candidate's memory per device). The cost
     model's collectives for that candidate (``predict_ms`` with no compute) are subtracted, and
     what is left is the compute ``a + e * B`` that every candidate shares. Not measured there:
     the share remat adds when ``on`` uses remat (``ASSUMED_REMAT_SHARE``), and a microbatch's
@@ -739,8 +740,10 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
     b, k = sizes.get("batch", 1), on.microbatches
     unit = b * k
-    half = batch // 2 // unit * unit
-    batches = (batch, half) if half >= unit and half != batch else (batch,)
+    # Half and a quarter of the batch where the mesh and the microbatches divide them: less
+    # activation memory and shorter steps than the whole batch (the cost is linear in it).
+    smaller = [rows for rows in (batch // 2, batch // 4) if rows >= unit and rows % unit == 0]
+    batches = tuple(smaller) if len(smaller) == 2 else (batch, *smaller[:1])
     remat = tuple(remat_patterns) if on.remat else ()
     rng = np.random.default_rng(0)
 
@@ -765,7 +768,7 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
                 packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
                 # Few calls: each step of a model that needs sharding is long.
                 out.append(alternating_ms([lambda: float(tf.reduce_sum(step.train(packed)))],
-                                          rounds=3, warmup=1)[0])
+                                          rounds=2, warmup=1)[0])
                 del packed
             return out
         finally:
@@ -809,10 +812,10 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
 
 def calibration_candidate(candidates: Sequence[Candidate], devices: int) -> Candidate | None:
     """Where to time the model's step: None (on ``batch=D``, replicated) when some data-parallel
-    candidate fits the budget, else the fitting candidate closest to it, or None when none fits
-    (``choose`` says why). Closest: without remat (its share is then measured in the step, not
-    assumed), the most batch, the fewest microbatches, the sharded update before FSDP, the least
-    memory."""
+    candidate fits the budget, else the fitting candidate without remat (its share is then
+    measured in the step, not assumed) that needs the least memory: timing it never needs more
+    memory than the plan that will be chosen, whichever it is. None when none fits (``choose``
+    says why)."""
     runnable = [c for c in candidates if c.rejected is None]
     if any(c.fits and not c.remat and c.mesh.split(",")[0] == f"batch={devices}"
            for c in runnable):
@@ -820,8 +823,7 @@ def calibration_candidate(candidates: Sequence[Candidate], devices: int) -> Cand
     fitting = [c for c in runnable if c.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda c: (c.remat, -int(c.mesh.split(",")[0].split("=")[1]),
-                                       c.microbatches, c.update == "fsdp", c.memory["total"]))
+    return min(fitting, key=lambda c: (c.remat, c.memory["total"]))
 
 
 def paired_ms(anchor: Callable[[], Any], variants: dict[str, Callable[[], Callable[[], Any]]],

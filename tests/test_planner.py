@@ -317,8 +317,8 @@ def test_planning_a_model_replication_cannot_fit_stays_within_the_plans_memory(t
 
 def test_the_step_is_timed_on_batch_d_while_it_fits_else_on_the_closest_candidate_that_does():
     """Issue 42: where the calibration runs. The replicated step fits: None (batch=D, as before).
-    It does not: the fitting candidate without remat (its share is then measured), with the most
-    batch, then the fewest microbatches; nothing fits: None (choose() raises with the arithmetic)."""
+    It does not: the fitting candidate without remat (its share is then measured) that needs the
+    least memory; nothing fits: None (choose() raises with the arithmetic)."""
     free = _plan(gb=None)
     assert planner.calibration_candidate(free.candidates, 8) is None
     replicated = next(c for c in free.candidates if c.label == "batch=8 zero")
@@ -329,8 +329,7 @@ def test_the_step_is_timed_on_batch_d_while_it_fits_else_on_the_closest_candidat
     assert on is not None and on.fits and not on.label.startswith("batch=8 zero")
     plain = [c for c in tight.candidates if c.fits and not c.remat]
     assert plain and not on.remat
-    most_batch = max(int(c.mesh.split(",")[0].split("=")[1]) for c in plain)
-    assert on.mesh.split(",")[0] == f"batch={most_batch}"
+    assert on.memory["total"] == min(c.memory["total"] for c in plain)
     assert planner.calibration_candidate(
         [dataclasses.replace(c, budget=1) for c in tight.candidates], 8) is None
 
