@@ -386,7 +386,11 @@ def _model_axis_ms(profile: ModelProfile, plan, machine: MachineCalibration, row
             continue
         out_bytes = rows * layer.out_elements * layer.itemsize
         in_bytes = rows * layer.in_elements * layer.itemsize
-        if kernel.endswith("embeddings"):  # features sharded: gathered after the lookup
+        if kernel.endswith("embeddings") and dims[0] == "model":
+            # rows sharded: each device's block looked up, summed over the axis (an all-reduce
+            # of the output, dtk.op_support.row_sharded_lookup); its gradient stays sharded
+            total += 2 * machine.gather_ms(m, out_bytes)
+        elif kernel.endswith("embeddings"):  # features sharded: gathered after the lookup
             total += machine.gather_ms(m, out_bytes)
         elif _column_axis(dims) == "model":  # column parallel
             total += 2 * machine.gather_ms(m, in_bytes)  # backward: the input's gradient

@@ -151,6 +151,21 @@ def test_model_axis_collectives_are_counted_from_the_table():
     assert by["batch=1,model=8 zero"].memory["weights"] < by["batch=8 zero"].memory["weights"]
 
 
+def test_a_table_sharded_on_its_rows_is_priced_as_an_all_reduce(tmp_path):
+    """Issue 43 in the planner: a vocabulary-sharded token table is looked up block by block
+    and summed over the axis (an all-reduce, two gathers' worth) where a feature-sharded one is
+    gathered once; the table's memory per device is the same either way."""
+    from tests import test_lm  # pylint: disable=import-outside-toplevel
+    rows = tmp_path / "rows.toml"
+    rows.write_text(test_lm._rows_table("model"))  # pylint: disable=protected-access
+    by_features = {c.label: c for c in _plan().candidates}
+    by_rows = {c.label: c for c in _plan(table=str(rows)).candidates}
+    label = "batch=2,model=4 zero"
+    assert by_rows[label].predicted_ms > by_features[label].predicted_ms
+    assert by_rows[label].memory["weights"] == by_features[label].memory["weights"]
+    assert by_rows["batch=8 zero"].predicted_ms == by_features["batch=8 zero"].predicted_ms
+
+
 # -- the chosen plan trains with one device's numbers -----------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mlp", "lm"])
