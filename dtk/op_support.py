@@ -451,9 +451,20 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             _ReverseEquivalent.install()
             layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
         elif isinstance(layer, L.Embedding) and row_sharded_table(layer) is not None:
-            layer._dtk_table_layout = row_sharded_table(layer)  # pylint: disable=protected-access
+            layout = row_sharded_table(layer)
+            layer._dtk_table_layout = layout  # pylint: disable=protected-access
             layer._dtk_batch_axis = batch_axis  # pylint: disable=protected-access
             layer.call = types.MethodType(_row_sharded_embedding_call, layer)
+            rows, dim = layer.embeddings.shape
+            shards = layout.mesh.dim_size(layout.sharding_specs[0])
+            block = rows // shards * dim * layer.embeddings.dtype.size / 2 ** 20
+            _log.warning(
+                "Embedding %r: its table [%d, %d] is sharded on its rows over axis %r (%d "
+                "blocks); its gradient and optimizer update are dense: every step reads and "
+                "writes all %d rows of each device's block (%.1f MiB of weights, and the "
+                "optimizer's slots as much again each) whatever ids the batch holds. Sparse "
+                "row updates are not implemented yet", layer.name, rows, dim,
+                layout.sharding_specs[0], shards, rows // shards, block)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it

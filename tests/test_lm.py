@@ -97,14 +97,18 @@ def _rows_table(axis):
 
 @pytest.mark.parametrize("spec, axis", [("batch=4,model=2", "model"), ("batch=2,model=4", "model"),
                                         ("batch=8", "batch")])
-def test_vocab_sharded_embedding_trains_like_one_device(tmp_path, spec, axis):
+def test_vocab_sharded_embedding_trains_like_one_device(tmp_path, caplog, spec, axis):
     """Issue 43: a table sharded on its rows (DTensor's gather refuses it) is looked up block by
     block (dtk.op_support.row_sharded_lookup): the same losses as one device, and the table and
     its gradient stay sharded on their rows."""
     table = tmp_path / "rows.toml"
     table.write_text(_rows_table(axis))
     mesh = dtk.build_mesh(spec)
-    model, _ = layouts.build_model(FACTORY, mesh, str(table), seed=7)
+    with caplog.at_level("WARNING", logger="dtk"):
+        model, _ = layouts.build_model(FACTORY, mesh, str(table), seed=7)
+    # the update's cost is said (dense: every row of the block, every step)
+    assert "Embedding 'embed': its table [64, 32] is sharded on its rows over axis" in caplog.text
+    assert "its gradient and optimizer update are dense" in caplog.text
     embeddings = model.get_layer("embed").embeddings
     assert dtensor.fetch_layout(embeddings).sharding_specs[0] == axis
     steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
