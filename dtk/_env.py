@@ -248,6 +248,10 @@ def path_problem(path: str, *, kind: str) -> str | None:
         directory = path
     ancestor = directory
     while not os.path.exists(ancestor):
+        if os.path.islink(ancestor):  # a dangling link or a loop on the way: nothing below it
+            return (f"{path!r} cannot be created: {ancestor!r} is a symbolic link to "
+                    f"{os.readlink(ancestor)!r}, which does not exist (or is a link loop); "
+                    "remove the link or give another path")
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         return (f"{path!r} cannot be created: {ancestor!r} is a file, where a directory should "

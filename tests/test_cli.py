@@ -65,6 +65,13 @@ def _a_file(path):
     return str(path)
 
 
+def _link_loop(tmp_path, *below):
+    """``tmp_path/a`` -> ``b`` -> ``a``: a symbolic link loop (and a path under it)."""
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    return str(tmp_path.joinpath("a", *below))
+
+
 BAD_OUTPUTS = [  # (kind, path maker, phrase)
     ("file", lambda t: "/proc/nope/s.json", "not writable"),
     ("dir", lambda t: "/proc/nope/ckpt", "not writable"),
@@ -72,6 +79,10 @@ BAD_OUTPUTS = [  # (kind, path maker, phrase)
     ("dir", _file_in_the_way, "is a file, where a directory should be"),
     ("file", lambda t: str(t), "is a directory"),
     ("dir", lambda t: _a_file(t / "f.txt"), "is a file; give a directory"),
+    # Issue 41: a link loop, and a path under one (it was accepted, then failed with ELOOP).
+    ("dir", _link_loop, "is a symbolic link to 'b', which does not exist \\(or is a link loop\\)"),
+    ("dir", lambda t: _link_loop(t, "ckpt", "run1"), "cannot be created: .*/a' is a symbolic link"),
+    ("file", lambda t: _link_loop(t, "s.json"), "cannot be created: .*/a' is a symbolic link"),
 ]
 
 
