@@ -98,6 +98,9 @@ class StepCalibration:
     microbatch_ms: float = 0.0
     # FSDP's gathers again in each more microbatch on batch=D (the sharded update has none).
     fsdp_microbatch_ms: float = 0.0
+    # FSDP's step on batch=D less the sharded update's, one microbatch (its gathers and their
+    # gradients against the update's one gather).
+    fsdp_ms: float = 0.0
     batch_sizes: tuple[int, ...] = ()
     measured_ms: tuple[float, ...] = ()
     # The candidate the step was timed on when the replicated step on batch=D does not fit the
@@ -412,8 +415,9 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
     ms += k * _model_axis_ms(profile, plan, machine, rows)
     if update == "fsdp":
         # Each microbatch gathers the weights (again in the backward pass for remat's blocks);
-        # the sharded update gathers them once, after the update. On batch=D that is all
-        # (measured: FSDP as fast as the sharded update). With a model axis too, DTensor's
+        # the sharded update gathers them once, after the update. On batch=D the difference is
+        # measured (``fsdp_ms``: 26-39% of the step on the LM of bench_plan.py, priced at zero
+        # before 2026-11-26, which chose FSDP over cheaper plans). With a model axis too, DTensor's
         # gradient of the 2-D gather is not a reduce-scatter: about two more gathers per weight.
         in_blocks = _remat_weights(profile, remat_patterns) if remat else {}
         two_d = 2 if sizes.get("model", 1) > 1 else 0
@@ -427,8 +431,9 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
             gathers = k * (two_d + (1 if w.path in in_blocks else 0))
             if gathers:
                 ms += gathers * machine.gather_ms(b, compute)
-        # each more microbatch gathers again: measured on batch=D, scaled by what is gathered
-        ms += (k - 1) * step.fsdp_microbatch_ms * gathered / max(full, 1)
+        # FSDP's own cost on batch=D, and each more microbatch's gathers again: measured there,
+        # scaled by what is gathered
+        ms += (step.fsdp_ms + (k - 1) * step.fsdp_microbatch_ms) * gathered / max(full, 1)
     if k > 1:  # the loop's cost, and DTensor reduces every microbatch's gradients (dtk.steps)
         ms += (k - 1) * (step.microbatch_ms + 2 * machine.gather_ms(b, _gradient_bytes(plan)))
     return ms
@@ -644,7 +649,7 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib, layouts, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
     path = cache or cache_path()
     key = (f"step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
            f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}"
@@ -675,13 +680,8 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
         step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh,
                            config=steps.StepConfig(remat=tuple(remat),
                                                    gradient_accumulation_steps=k))
-        shape = [rows, *input_shape]
-        if "int" in input_dtype:
-            x = rng.integers(0, num_classes, shape).astype(input_dtype)
-        else:
-            x = rng.standard_normal(shape).astype(input_dtype)
-        y = rng.integers(0, num_classes, [rows, *model.output_shape[1:-1]]).astype(np.int64)
-        packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
+        packed = _random_batch(rng, mesh, rows, input_shape, input_dtype, num_classes,
+                               model.output_shape)
         return lambda: float(tf.reduce_sum(step.train(packed)))
 
     variants = {"half": lambda: step_fn(half)}
@@ -690,6 +690,8 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     if (batch // devices) % 2 == 0:  # microbatches are possible
         variants["k2"] = lambda: step_fn(batch, k=2)
         variants["fsdp_k2"] = lambda: step_fn(batch, k=2, fsdp=True)
+    if devices > 1:
+        variants["fsdp"] = lambda: step_fn(batch, fsdp=True)
     # The timed builds' notes (FSDP's replicated weights, random layers) are the real run's to
     # give, once: quiet here.
     level = _log.level
@@ -703,13 +705,14 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     a = max(measured["plain"] - e * batch, 0.0)
     share = max(measured["remat"] / measured["plain"] - 1, 0.0) if "remat" in measured else 0.0
     micro = fsdp_micro = 0.0
+    fsdp = max(measured["fsdp"] - measured["plain"], 0.0) if "fsdp" in measured else 0.0
     if "k2" in measured:
         grads = sum(math.prod(shape) * _itemsize(dtype) for _, shape, dtype in profile.weights)
         micro = max(measured["k2"] - measured["plain"] - 2 * machine.gather_ms(devices, grads),
                     0.0)
-        fsdp_micro = max(measured["fsdp_k2"] - measured["k2"], 0.0)
+        fsdp_micro = max(measured["fsdp_k2"] - measured["k2"] - fsdp, 0.0)
     result = StepCalibration(a_ms=a, e_ms=e, remat_share=share, microbatch_ms=micro,
-                             fsdp_microbatch_ms=fsdp_micro, batch_sizes=(batch, half),
+                             fsdp_microbatch_ms=fsdp_micro, fsdp_ms=fsdp, batch_sizes=(batch, half),
                              measured_ms=tuple(measured.values()))
     _store_cache(path, key, dataclasses.asdict(result))
     return result
@@ -739,7 +742,7 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     import gc  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib, layouts, materialize, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    from dtk import layouts, materialize, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
     mesh = mesh_lib.build_mesh(on.mesh, device_type=device_type)
     sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
     b, k = sizes.get("batch", 1), on.microbatches
@@ -763,13 +766,8 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
         try:
             out = []
             for rows in batches:
-                shape = [rows, *input_shape]
-                if "int" in input_dtype:
-                    x = rng.integers(0, num_classes, shape).astype(input_dtype)
-                else:
-                    x = rng.standard_normal(shape).astype(input_dtype)
-                y = rng.integers(0, num_classes, [rows, *model.output_shape[1:-1]]).astype(np.int64)
-                packed = input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
+                packed = _random_batch(rng, mesh, rows, input_shape, input_dtype, num_classes,
+                                       model.output_shape)
                 # Few calls: each step of a model that needs sharding is long.
                 out.append(alternating_ms([lambda: float(tf.reduce_sum(step.train(packed)))],
                                           rounds=2, warmup=1)[0])
@@ -807,6 +805,8 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     assumed = [f"remat +{share:.0%}"] if on.remat else []
     if k > 1:
         assumed.append(f"the {k} microbatches' own cost counted in the compute")
+    if on.update == "fsdp":
+        assumed.append("FSDP's own cost counted in the compute")
     if len(batches) == 1:
         assumed.append("one batch size: no per-call overhead separated")
     return StepCalibration(a_ms=a, e_ms=e, remat_share=share, batch_sizes=batches,
@@ -828,6 +828,21 @@ def calibration_candidate(candidates: Sequence[Candidate], devices: int) -> Cand
     if not fitting:
         return None
     return min(fitting, key=lambda c: (c.remat, c.memory["total"]))
+
+
+def _random_batch(rng, mesh, rows: int, input_shape: Sequence[int], input_dtype: str,
+                  num_classes: int, output_shape) -> tuple:
+    """A packed batch of random inputs and labels for a timed step (integer inputs, token ids,
+    are drawn from the label range too)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    shape = [rows, *input_shape]
+    if "int" in input_dtype:
+        x = rng.integers(0, num_classes, shape).astype(input_dtype)
+    else:
+        x = rng.standard_normal(shape).astype(input_dtype)
+    y = rng.integers(0, num_classes, [rows, *output_shape[1:-1]]).astype(np.int64)
+    return input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
 
 
 def paired_ms(anchor: Callable[[], Any], variants: dict[str, Callable[[], Callable[[], Any]]],
@@ -1088,8 +1103,9 @@ def explain_plan(p: Plan) -> str:
              f"{'; assumed: ' + s.assumed if s.assumed else ''}" if s.measured_on else
              f"measured {timed} on batch={p.machine.devices}")
     lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch ({where}); remat "
-                 f"+{s.remat_share:.0%}; a microbatch +{s.microbatch_ms:.1f} ms (FSDP +"
-                 f"{s.fsdp_microbatch_ms:.1f} ms) and its gradient reduction; gathers: " + ", ".join(
+                 f"+{s.remat_share:.0%}; FSDP +{s.fsdp_ms:.1f} ms; a microbatch "
+                 f"+{s.microbatch_ms:.1f} ms (FSDP +{s.fsdp_microbatch_ms:.1f} ms) and its "
+                 "gradient reduction; gathers: " + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
                      sorted(p.machine.gather.items())))
     lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "
