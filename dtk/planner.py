@@ -19,14 +19,15 @@ blocks or not), each with the fewest microbatches whose activations fit. For eac
            + k x model-axis collectives                 row-parallel outputs (forward all-reduce),
              (each alpha_m + bytes / beta_m)             column-parallel inputs (backward
                                                           all-reduce), sharded features (gather)
-           + FSDP: 2 more gathers per weight and microbatch on a 2-D mesh, and each more
-                   microbatch's regather (measured on batch=D, scaled by the bytes gathered)
+           + FSDP: its own cost on batch=D and each more microbatch's regather (both
+                   measured on batch=D, scaled by the bytes gathered), and 2 more gathers per
+                   weight and microbatch on a 2-D mesh
            + (k - 1) x (the microbatch's own cost + its gradient reduction on this mesh)
 
   ``a`` (per-call overhead) and ``e`` (compute per example) come from timing the model's own
   step on ``batch=D`` at the rows that fit and at half of them; ``remat_share``, the microbatch
-  cost and FSDP's regather from the same step with remat and with 2 microbatches (with and
-  without FSDP); ``alpha`` and ``beta`` per axis size from timed gathers at two sizes. Each
+  cost and FSDP's cost and regather from the same step with remat, with FSDP, and with 2
+  microbatches (with and without FSDP); ``alpha`` and ``beta`` per axis size from timed gathers at two sizes. Each
   variant is timed alternating with the plain step (``paired_ms``). The machine's figures are
   cached in a JSON file keyed by device kind and count (``$DTK_PLAN_CACHE``, default
   ``~/.cache/dtk/plan.json``), the model's by a signature of its weights, table, batch, loss,
