@@ -16,15 +16,15 @@ cd "$tmp"
 export DTK_OFFLINE=1 TF_CPP_MIN_LOG_LEVEL=2
 "$tmp/venv/bin/python" - <<'PY'
 import sys
-import dtk, dtk.launch
-assert "tensorflow" not in sys.modules, "import dtk / dtk.launch loaded TensorFlow"
+import dtk, dtk.cluster.launch
+assert "tensorflow" not in sys.modules, "import dtk / dtk.cluster.launch loaded TensorFlow"
 assert "/site-packages/dtk/" in dtk.__file__, dtk.__file__
-from dtk import layouts
+from dtk.parallel import layouts
 tables = layouts.available_tables()
 assert {"data_parallel", "mlp_model_parallel", "cnn_data_parallel"} <= set(tables), tables
 print("wheel smoke: tables", tables)
 PY
-"$tmp/venv/bin/python" -m dtk.launch --help > /dev/null
+"$tmp/venv/bin/python" -m dtk.cluster.launch --help > /dev/null
 "$tmp/venv/bin/dtk-launch" --help > /dev/null
 "$tmp/venv/bin/dtk-explain" --model mlp --mesh batch=4,model=2 --layout mlp_model_parallel | tail -n 1
 cp "$repo/scripts/train_mnist.py" "$tmp/"

@@ -4,7 +4,7 @@ Importing dtk first puts DTensor's parity-safe settings in force (see ``dtk/_env
 be set before TensorFlow traces anything, so dtk sets them here, before TensorFlow is imported.
 
 The package face is lazy: ``import dtk`` loads only the standard library, and each public name
-imports its module (and TensorFlow) on first use. So ``python -m dtk.launch``, which needs no
+imports its module (and TensorFlow) on first use. So ``python -m dtk.cluster.launch``, which needs no
 TensorFlow, starts in milliseconds, and ``import dtk`` before ``import tensorflow`` is cheap.
 """
 
@@ -20,44 +20,59 @@ _env.apply_safe_defaults()
 
 # public name -> module that defines it
 _EXPORTS = {
-    "BATCH_AXIS": "dtk.mesh",
-    "MODEL_AXIS": "dtk.mesh",
-    "MeshSpec": "dtk.mesh",
-    "build_mesh": "dtk.mesh",
-    "configure_virtual_cpus": "dtk.mesh",
-    "describe_mesh": "dtk.mesh",
-    "parse_mesh_spec": "dtk.mesh",
-    "Batch": "dtk.input",
-    "ClientShard": "dtk.input",
-    "DataSource": "dtk.input",
-    "DistributedDataset": "dtk.input",
-    "InputConfig": "dtk.input",
-    "pack": "dtk.input",
-    "load_mnist": "dtk.mnist",
-    "LayoutTable": "dtk.layouts",
-    "build_model": "dtk.layouts",
-    "explain": "dtk.layouts",
-    "load_table": "dtk.layouts",
-    "plan_layouts": "dtk.layouts",
-    "Checkpointer": "dtk.checkpoint",
-    "export": "dtk.checkpoint",
-    "gather_weights": "dtk.checkpoint",
-    "global_value": "dtk.checkpoint",
-    "make_loss": "dtk.optimizers",
-    "make_metrics": "dtk.optimizers",
-    "make_optimizer": "dtk.optimizers",
-    "StepConfig": "dtk.steps",
-    "Steps": "dtk.steps",
-    "History": "dtk.trainer",
-    "Trainer": "dtk.trainer",
-    "TrainerConfig": "dtk.trainer",
+    "BATCH_AXIS": "dtk.parallel.mesh",
+    "MODEL_AXIS": "dtk.parallel.mesh",
+    "MeshSpec": "dtk.parallel.mesh",
+    "build_mesh": "dtk.parallel.mesh",
+    "configure_virtual_cpus": "dtk.parallel.mesh",
+    "describe_mesh": "dtk.parallel.mesh",
+    "parse_mesh_spec": "dtk.parallel.mesh",
+    "Batch": "dtk.data.input",
+    "ClientShard": "dtk.data.input",
+    "DataSource": "dtk.data.input",
+    "DistributedDataset": "dtk.data.input",
+    "InputConfig": "dtk.data.input",
+    "pack": "dtk.data.input",
+    "load_mnist": "dtk.data.mnist",
+    "LayoutTable": "dtk.parallel.layouts",
+    "build_model": "dtk.parallel.layouts",
+    "explain": "dtk.parallel.layouts",
+    "load_table": "dtk.parallel.layouts",
+    "plan_layouts": "dtk.parallel.layouts",
+    "Checkpointer": "dtk.train.checkpoint",
+    "export": "dtk.train.checkpoint",
+    "gather_weights": "dtk.train.checkpoint",
+    "global_value": "dtk.train.checkpoint",
+    "make_loss": "dtk.train.optimizers",
+    "make_metrics": "dtk.train.optimizers",
+    "make_optimizer": "dtk.train.optimizers",
+    "StepConfig": "dtk.train.steps",
+    "Steps": "dtk.train.steps",
+    "History": "dtk.train.trainer",
+    "Trainer": "dtk.train.trainer",
+    "TrainerConfig": "dtk.train.trainer",
     "ModelSpec": "dtk.models",
-    "Plan": "dtk.planner",
-    "PlanError": "dtk.planner",
-    "plan": "dtk.planner",
+    "Plan": "dtk.planning.planner",
+    "PlanError": "dtk.planning.planner",
+    "plan": "dtk.planning.planner",
 }
-_SUBMODULES = ("checkpoint", "cluster", "fsdp", "input", "launch", "layouts", "mesh", "mnist",
-               "models", "optimizers", "planner", "remat", "steps", "trainer")
+# Modules reachable as attributes of the package (``dtk.layouts.explain``), wherever they live.
+# dtk's folders (parallel/, train/, data/, cluster/, planning/) are imported by their full names.
+_SUBMODULES = {
+    "checkpoint": "dtk.train.checkpoint",
+    "fsdp": "dtk.parallel.fsdp",
+    "input": "dtk.data.input",
+    "launch": "dtk.cluster.launch",
+    "layouts": "dtk.parallel.layouts",
+    "mesh": "dtk.parallel.mesh",
+    "mnist": "dtk.data.mnist",
+    "models": "dtk.models",
+    "optimizers": "dtk.train.optimizers",
+    "planner": "dtk.planning.planner",
+    "remat": "dtk.parallel.remat",
+    "steps": "dtk.train.steps",
+    "trainer": "dtk.train.trainer",
+}
 
 __all__ = ["__version__", *sorted(_EXPORTS), "models"]
 
@@ -68,7 +83,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(f"dtk.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'dtk' has no attribute {name!r}")
 
 
@@ -78,16 +93,16 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazily
     from dtk import models  # noqa: F401
-    from dtk.checkpoint import Checkpointer, export, gather_weights, global_value  # noqa: F401
-    from dtk.input import (Batch, ClientShard, DataSource, DistributedDataset,  # noqa: F401
-                           InputConfig, pack)
-    from dtk.layouts import (LayoutTable, build_model, explain, load_table,  # noqa: F401
-                             plan_layouts)
-    from dtk.mesh import (BATCH_AXIS, MODEL_AXIS, MeshSpec, build_mesh,  # noqa: F401
-                          configure_virtual_cpus, describe_mesh, parse_mesh_spec)
-    from dtk.mnist import load_mnist  # noqa: F401
+    from dtk.train.checkpoint import Checkpointer, export, gather_weights, global_value  # noqa: F401
+    from dtk.data.input import (Batch, ClientShard, DataSource, DistributedDataset,  # noqa: F401
+                                InputConfig, pack)
+    from dtk.parallel.layouts import (LayoutTable, build_model, explain, load_table,  # noqa: F401
+                                      plan_layouts)
+    from dtk.parallel.mesh import (BATCH_AXIS, MODEL_AXIS, MeshSpec, build_mesh,  # noqa: F401
+                                   configure_virtual_cpus, describe_mesh, parse_mesh_spec)
+    from dtk.data.mnist import load_mnist  # noqa: F401
     from dtk.models import ModelSpec  # noqa: F401
-    from dtk.optimizers import make_loss, make_metrics, make_optimizer  # noqa: F401
-    from dtk.planner import Plan, PlanError, plan  # noqa: F401
-    from dtk.steps import StepConfig, Steps  # noqa: F401
-    from dtk.trainer import History, Trainer, TrainerConfig  # noqa: F401
+    from dtk.train.optimizers import make_loss, make_metrics, make_optimizer  # noqa: F401
+    from dtk.planning.planner import Plan, PlanError, plan  # noqa: F401
+    from dtk.train.steps import StepConfig, Steps  # noqa: F401
+    from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

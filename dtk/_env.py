@@ -104,7 +104,7 @@ def combine_all_reduces_disabled() -> bool:
 
 # -- dtk's own environment variables: named and validated here, read nowhere else ------------------
 VIRTUAL_DEVICES = "DTK_VIRTUAL_DEVICES"        # CPU: logical devices per client (set by launchers)
-READY_FILE = "DTK_READY_FILE"                  # written once this client's mesh exists (dtk.launch)
+READY_FILE = "DTK_READY_FILE"                  # written once this client's mesh exists (dtk.cluster.launch)
 REGISTER_TIMEOUT_S = "DTK_REGISTER_TIMEOUT_S"  # multi-client start-up deadline
 HEARTBEAT_TIMEOUT_S = "DTK_HEARTBEAT_TIMEOUT_S"  # a silent client fails the others after this
 PORT_BASE = "DTK_PORT_BASE"                    # Slurm: first port of a node's clients
@@ -112,7 +112,7 @@ LAYOUTS_DIR = "DTK_LAYOUTS_DIR"                # extra directory of user layout 
 OFFLINE = "DTK_OFFLINE"                        # 1: never try the network (TFDS)
 BLAMED_FILE = "DTK_BLAME_FILE"                 # a client writes here which client it lost
 GRAPPLER = "DTK_GRAPPLER"                      # 1: keep Grappler's meta optimizer on CPU meshes
-PLAN_CACHE = "DTK_PLAN_CACHE"                  # the planner's calibration file (dtk.planner)
+PLAN_CACHE = "DTK_PLAN_CACHE"                  # the planner's calibration file (dtk.planning.planner)
 
 DTK_VARIABLES = (VIRTUAL_DEVICES, READY_FILE, REGISTER_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, PORT_BASE,
                  LAYOUTS_DIR, OFFLINE, BLAMED_FILE, GRAPPLER, PLAN_CACHE)
@@ -267,7 +267,7 @@ def path_problem(path: str, *, kind: str) -> str | None:
     return None
 
 
-# Keys of the planner's cache file (dtk.planner): what makes a file dtk's own.
+# Keys of the planner's cache file (dtk.planning.planner): what makes a file dtk's own.
 PLAN_CACHE_KEY_PREFIXES = ("machine/", "step/")
 
 

@@ -201,14 +201,15 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
                     global_batch_size: int):
     """Runs the planner for ``--mesh auto`` / ``--explain_plan`` over every device this run has.
 
-    Returns the ``dtk.planner.Plan``. ``--fsdp``, ``--remat``, ``--grad_accum`` and the update
+    Returns the ``dtk.planning.planner.Plan``. ``--fsdp``, ``--remat``, ``--grad_accum`` and the update
     (``--noshard_optimizer_state``) are the planner's to choose under ``--mesh auto``: given
     too, they are a usage error (a plan that reports ``zero`` must be what runs).
 
     Raises:
       UsageError: conflicting flags, or no plan fits (the planner's arithmetic and fix).
     """
-    from dtk import mesh as mesh_lib, planner  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.planning import planner  # pylint: disable=g-import-not-at-top
     given = [f"--{n}" for n, chosen in (("fsdp", bool(values("fsdp"))),
                                          ("remat", bool(values("remat"))),
                                          ("grad_accum", (values("grad_accum") or 1) != 1),
@@ -337,7 +338,7 @@ def setup_output(*, verbose: bool) -> None:
         absl_logging.set_verbosity(absl_logging.ERROR)
         os.environ.update(_env.quiet_tensorflow_env())
         _env.import_tensorflow_quietly()
-    else:  # --verbosity: show what a launcher started quietly (dtk.launch, Ray) hid
+    else:  # --verbosity: show what a launcher started quietly (dtk.cluster.launch, Ray) hid
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     log = logging.getLogger("dtk")
     handler = logging.StreamHandler(sys.stdout)
@@ -370,7 +371,7 @@ def _lost_peer_line(e: BaseException) -> str | None:
     tf = sys.modules.get("tensorflow")
     if tf is None or not isinstance(e, tf.errors.OpError):
         return None
-    from dtk import cluster, launch  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster, launch  # pylint: disable=g-import-not-at-top
     from dtk.errors import first_line  # pylint: disable=g-import-not-at-top
     if cluster.num_clients() < 2:
         return None
@@ -411,10 +412,10 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
     setup_output(verbose=verbose)
     status, summary = run_reporting_errors(lambda: (_env.check_all(), run())[1])
     if status == 0 and summary_json and summary:
-        from dtk import cluster  # pylint: disable=g-import-not-at-top
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
         if cluster.is_lead_client():
             status = write_summary(summary_json, summary)
-    from dtk import cluster  # pylint: disable=g-import-not-at-top,redefined-outer-name
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top,redefined-outer-name
     cluster.exit_process(status)  # does not return: the group leaves within a second
     return status  # for readers: exit_process ends the process with this status
 

@@ -25,7 +25,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from dtk import _env  # pylint: disable=g-import-not-at-top
     _env.import_tensorflow_quietly()
-    from dtk import layouts, mesh, models  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, mesh  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
     try:
         if args.model not in models.MODEL_SPECS:
             raise ValueError(f"--model {args.model!r} is unknown; choose one of "

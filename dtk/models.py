@@ -2,7 +2,7 @@
 
 They are plain tf_keras models with stable layer names (``d1``, ``d2``, ``c1`` ...), because layout
 tables in ``layouts/`` refer to weights by those names. Call them inside a layout scope (see
-``dtk.layouts``) to get laid-out DTensor weights; outside one they are ordinary Keras models, which
+``dtk.parallel.layouts``) to get laid-out DTensor weights; outside one they are ordinary Keras models, which
 is how the single-device reference runs in the parity tests are built.
 
 Both return logits (no softmax): use ``from_logits=True`` losses. The last layer is float32 under

@@ -10,7 +10,7 @@ On a machine with GPUs (or TPUs) it runs, each in a process of its own with a ti
    where N >= 4 (or ``batch=1,model=2`` with 2 devices): the losses must equal one device's to
    the tolerance below. GPUs' TF32 matmuls are turned off for this check (TensorFlow enables
    them on Ampere and later), since they change every result at the 1e-3 level.
-2. **Collectives across processes.** The same MLP on 2 DTensor clients (``python -m dtk.launch
+2. **Collectives across processes.** The same MLP on 2 DTensor clients (``python -m dtk.cluster.launch
    --num_clients 2``, N/2 devices each, NCCL on GPUs) against one process on all N devices.
 3. **Speed.** ``scripts/bench.py --device gpu`` (or ``tpu``): dtk against a plain single-device
    loop, ``Model.fit`` and ``MirroredStrategy`` on the same devices.
@@ -69,8 +69,9 @@ def _worker(model_name: str, mesh_spec: str, device: str) -> dict:
     import numpy as np  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, models  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
     tf.config.experimental.enable_tensor_float_32_execution(False)
     mesh = dtk.build_mesh(mesh_spec, device_type=device)
     rng = np.random.default_rng(0)
@@ -132,7 +133,7 @@ def _two_clients(device: str, n: int) -> list[dict]:
     half = n // 2
     client = ("first=$((DTENSOR_CLIENT_ID * {h})); export CUDA_VISIBLE_DEVICES=$(seq -s, $first "
               "$((first + {h} - 1))); exec \"$@\"").format(h=half)
-    second = _run([sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--", "bash", "-c",
+    second = _run([sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2", "--", "bash", "-c",
                    client, "client", sys.executable, script, *common[:1], f"batch={n}",
                    *common[2:], "--summary_json", two])
     for res in (first, second):

@@ -21,8 +21,8 @@ at global batch 1024; ``lm`` is the byte-level transformer LM of ``scripts/train
 dim 128, 8 heads, 128 tokens, global batch 32; Megatron table ``transformer_lm``), reported also in
 tokens/s (``python scripts/bench.py --workloads lm --variants
 dtk_batch8,dtk_batch4_model2,dtk_batch2_model4,dtk_batch1_model8``); ``lm_dropout`` is the LM
-with dropout 0.1 (dtk.randomness's mesh-independent draws) and ``lm_dropout_keras`` the same with
-Keras's own generator, whose draws depend on the mesh (the cost before dtk.randomness). All variants train with Adam on random MNIST-shaped data, pre-packed (input
+with dropout 0.1 (dtk.parallel.randomness's mesh-independent draws) and ``lm_dropout_keras`` the same with
+Keras's own generator, whose draws depend on the mesh (the cost before dtk.parallel.randomness). All variants train with Adam on random MNIST-shaped data, pre-packed (input
 packing is measured by ``scripts/bench_input.py``).
 
 ``--breakdown`` times pieces of one step in a single process on 8 virtual CPUs, alternating them
@@ -45,7 +45,7 @@ WORKLOADS = {
     "mlp": {"hidden": (128,), "batch": 128, "steps": 60},
     "heavy": {"hidden": (1024, 1024), "batch": 1024, "steps": 8},
     "lm": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12},
-    # The LM with dropout 0.1: dtk.randomness's mesh-independent draws, and (the "before") the
+    # The LM with dropout 0.1: dtk.parallel.randomness's mesh-independent draws, and (the "before") the
     # draws of Keras's own generator, which depend on the mesh.
     "lm_dropout": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12,
                    "dropout": 0.1},
@@ -151,7 +151,7 @@ def _timed(fn, steps, per_call=1):
 def _auto_timed(dtk, input_lib, mesh, steps_obj, arrays, steps):
     """steps_per_execution="auto" as ``Trainer.fit`` runs it (the same ``_AutoSteps`` decisions on
     the same kind of timed calls), then timed stacks of the chosen count (an MNIST epoch: 190)."""
-    from dtk import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+    from dtk.train import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
     x, y, w = arrays
     auto = trainer_lib._AutoSteps(mesh, verbose=False)  # pylint: disable=protected-access
     packed = {}
@@ -220,8 +220,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         model.fit(data, epochs=1, steps_per_epoch=steps + 4, verbose=0, callbacks=[callback])
         times = [1000 * (b - a) for a, b in zip(stamps[3:], stamps[4:])]
     else:
-        from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-        from dtk import layouts  # pylint: disable=g-import-not-at-top
+        from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+        from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
         mesh_spec, table = (("batch=4,model=2", "mlp_model_parallel")
                             if variant.startswith("dtk_batch4_model2") else ("batch=8", "data_parallel"))
         mesh = _mesh(dtk, mesh_spec)
@@ -258,8 +258,9 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, models  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
     if variant not in ("floor", "dtk_batch8", "dtk_batch8_zero", "dtk_batch8_fsdp",
                        "dtk_batch8_fsdp_remat", "dtk_batch8_remat") and variant not in MESHES:
         raise SystemExit(f"variant {variant} does not apply to the lm workload")
@@ -287,7 +288,7 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         mesh = _mesh(dtk, MESHES.get(variant, "batch=8"))
         model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
                                        fsdp="_fsdp" in variant)
-        if spec.get("keras_rng"):  # undo dtk.randomness: Keras's generator, per-device draws
+        if spec.get("keras_rng"):  # undo dtk.parallel.randomness: Keras's generator, per-device draws
             from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
             for layer in model._flatten_layers():  # pylint: disable=protected-access
                 if isinstance(getattr(layer, "_random_generator", None), backend.RandomGenerator):
@@ -315,8 +316,8 @@ def _breakdown(workload: str, iters: int) -> list[tuple[str, float]]:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tf_keras  # pylint: disable=g-import-not-at-top
     from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
 
     spec = WORKLOADS[workload]
     batch, hidden = spec["batch"], spec["hidden"]

@@ -38,7 +38,8 @@ def _run(asynchronous: bool) -> dict[str, float]:
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib, models  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
 
     mesh = dtk.build_mesh(FLAGS.mesh)
     n = FLAGS.steps_per_epoch * FLAGS.global_batch_size

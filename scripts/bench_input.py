@@ -39,7 +39,7 @@ _CHILD = flags.DEFINE_string("child", None, "Internal: measure RSS on this direc
 _MULTI = flags.DEFINE_bool("multi_client", False, "Time the stream on 2 clients x 4 devices in "
                            "both multi-client modes (parity, scale) instead.")
 _CLIENT_MODE = flags.DEFINE_enum("client_mode", None, ["parity", "scale"],
-                                 "Internal: run as one client of a dtk.launch group.")
+                                 "Internal: run as one client of a dtk.cluster.launch group.")
 
 IMAGE_BYTES = 28 * 28
 
@@ -89,7 +89,7 @@ def pipeline(directory: str, shard=None):
 
 def _setup(directory):
     import dtk  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     mesh = dtk.build_mesh(_MESH.value)
     trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, optimizer="adam",
                           config=dtk.TrainerConfig(verbose=0))
@@ -126,7 +126,8 @@ def child(directory: str) -> None:
 def client(directory: str, mode: str) -> None:
     """One client of a 2-client group: ms/step of the streamed loop (client 0 prints JSON)."""
     import dtk  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     mesh = dtk.build_mesh(_MESH.value)
     trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, optimizer="adam",
                           config=dtk.TrainerConfig(verbose=0))
@@ -139,14 +140,14 @@ def client(directory: str, mode: str) -> None:
         data = input_lib.DistributedDataset(pipeline(directory).repeat(), mesh, config)
     _loop(trainer.steps, data.epoch(0))
     ms = statistics.median(_loop(trainer.steps, data.epoch(e)) for e in (1, 2, 3))
-    if dtk.cluster.is_lead_client():
+    if dtk.cluster.env.is_lead_client():
         print(json.dumps({"mode": mode, "ms_per_step": ms}), flush=True)
 
 
 def multi_client(work: str) -> None:
     for mode in ("parity", "scale"):
         res = subprocess.run(
-            [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+            [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2", "--devices_per_client", "4",
              "--", sys.executable, os.path.abspath(__file__), f"--client_mode={mode}",
              f"--work_dir={work}", f"--mesh={_MESH.value}", f"--steps={_STEPS.value}",
              f"--global_batch_size={_BATCH.value}", f"--steps_per_call={_SPC.value}"],

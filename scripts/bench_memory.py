@@ -1,7 +1,7 @@
 """Memory per client, measured and planned, for the ways dtk can lay out the LM's training state.
 
 Each variant runs ``scripts/train_lm.py`` for a few steps as ``--num_clients`` clients of
-``--devices_per_client`` virtual CPUs each (``python -m dtk.launch``), and reports for every
+``--devices_per_client`` virtual CPUs each (``python -m dtk.cluster.launch``), and reports for every
 client its peak resident memory (``ru_maxrss``, read when the client exits), the plan's bytes per
 device (weights + AdamW state, and what FSDP gathers during a step), and the median step time
 from the run's summary. The first row is the same run at ``--baseline_dim`` (the fixed cost of
@@ -41,7 +41,7 @@ VARIANTS = {
     "fsdp_remat": ["--mesh", "batch=8", "--fsdp", "--remat", "blocks"],
 }
 # Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
-# dtk ends the process early, see dtk.cluster.exit_process).
+# dtk ends the process early, see dtk.cluster.env.exit_process).
 SHIM = ("import atexit, resource, runpy, sys; "
         "atexit.register(lambda: print('DTK_PEAK_RSS', resource.getrusage("
         "resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)); "
@@ -52,7 +52,7 @@ PEAK = re.compile(r"\[client (\d+)\] DTK_PEAK_RSS (\d+)")
 def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="dtk-bench-memory-") as tmp:
         summary = os.path.join(tmp, "summary.json")
-        command = [sys.executable, "-m", "dtk.launch", "--num_clients", str(args.num_clients),
+        command = [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", str(args.num_clients),
                    "--devices_per_client", str(args.devices_per_client), "--",
                    sys.executable, "-c", SHIM, os.path.join(REPO, "scripts", "train_lm.py"),
                    *flags, "--dim", str(dim), "--layers", str(args.layers),

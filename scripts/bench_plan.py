@@ -7,7 +7,7 @@
 For each LM size, in one process on 8 virtual CPUs: the planner calibrates (cached machine
 figures are reused; ``--refresh`` measures again), then every candidate that can run is built
 and timed alternating call by call with the plain ``batch=D`` plan, then dropped
-(``dtk.planner.paired_ms``): two models alive at a time, as in a real run (with many alive at
+(``dtk.planning.planner.paired_ms``): two models alive at a time, as in a real run (with many alive at
 once every step ran 30-40% slower here), and a candidate's time is its median ratio to that
 anchor times the anchor's median over the whole run, so drift between candidates cancels out. Three memory budgets per size: none (every
 candidate fits), just below the fastest candidate's planned memory, and just above the smallest
@@ -34,7 +34,11 @@ def run_size(dim: int, *, seq_len: int, layers: int, batch: int, refresh: bool,
     import dtk  # pylint: disable=g-import-not-at-top
     dtk.configure_virtual_cpus(8)
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib, layouts, models, planner, steps  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.planning import planner  # pylint: disable=g-import-not-at-top
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
     factory = _lm_factory(models, dim, seq_len, layers)
     remat = models.MODEL_SPECS["lm"].remat
     common = {"global_batch_size": batch, "table": "transformer_lm", "input_shape": (seq_len,),
@@ -112,7 +116,11 @@ def run_unfit(name: str, *, rounds: int) -> list[dict]:
     import dtk  # pylint: disable=g-import-not-at-top
     dtk.configure_virtual_cpus(8)
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib, layouts, materialize, models, planner, steps  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, materialize  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.planning import planner  # pylint: disable=g-import-not-at-top
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if name == "lm1024":
         factory = _lm_factory(models, 1024, 128, 4)

@@ -33,7 +33,7 @@ flags.DEFINE_integer("layers", 2, "Transformer blocks.")
 flags.DEFINE_integer("steps", 600, "Training steps in all.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate the held-out loss every this many steps.")
 flags.DEFINE_integer("eval_batches", 20, "Held-out batches per evaluation.")
-flags.DEFINE_float("dropout", 0.0, "Dropout rate (the same masks on every mesh: dtk.randomness).")
+flags.DEFINE_float("dropout", 0.0, "Dropout rate (the same masks on every mesh: dtk.parallel.randomness).")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
@@ -75,7 +75,7 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     rng = np.random.default_rng(seed)
     rows = mesh.dim_size("batch")
     out = bytearray(prompt)
@@ -102,7 +102,9 @@ def _setup():
     import dtk  # pylint: disable=g-import-not-at-top
     _check_flags()
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
 
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
@@ -138,7 +140,7 @@ def _setup():
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
-    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    dtk.train.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
@@ -151,10 +153,13 @@ def _setup():
 
 def run() -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, models, text  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
     spec, mesh, table, factory, plan, memory, auto_plan = _setup()
-    lead = dtk.cluster.is_lead_client()
+    lead = dtk.cluster.env.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
     if FLAGS.explain_plan:
         say(auto_plan.explain(), flush=True)
@@ -239,7 +244,7 @@ def run() -> dict:
     cli.keep_until_exit(train, heldout)  # no time spent tearing them down
     return {
         "export": exported,
-        "mesh": str(spec), "num_clients": dtk.cluster.num_clients(), "layout": FLAGS.layout,
+        "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(), "layout": FLAGS.layout,
         "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
         "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,

@@ -43,7 +43,9 @@ flags.DEFINE_bool("augment", False, "Randomly shift training images by up to 2 p
 
 def _check_flags(dtk) -> tuple:
     """Validates what can be checked before TensorFlow starts; returns (mesh spec, layout table)."""
-    from dtk import layouts, models, optimizers  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.train import optimizers  # pylint: disable=g-import-not-at-top
     try:
         spec = None if FLAGS.mesh == cli.AUTO_MESH else dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
@@ -134,18 +136,22 @@ def _check_device(dtk) -> None:
 def run() -> dict:
     """Trains and evaluates as the flags say; returns the summary."""
     import dtk  # pylint: disable=g-import-not-at-top  (sets DTensor's env before TF traces)
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     spec, table = _check_flags(dtk)
     _check_device(dtk)
 
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, mnist, models, optimizers  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.data import mnist  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.train import optimizers  # pylint: disable=g-import-not-at-top
 
     auto_plan = None
     if spec is None or FLAGS.explain_plan:
         auto_plan, spec = _plan(dtk, table)
         if FLAGS.explain_plan:
-            if dtk.cluster.is_lead_client():
+            if dtk.cluster.env.is_lead_client():
                 print(auto_plan.explain(), flush=True)
             return {}
     try:
@@ -153,7 +159,7 @@ def run() -> dict:
                               virtual_devices=FLAGS.virtual_devices)
     except ValueError as e:
         raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
-    lead = dtk.cluster.is_lead_client()
+    lead = dtk.cluster.env.is_lead_client()
     if lead:
         if auto_plan is not None:
             print(auto_plan.explain().splitlines()[-1], flush=True)
@@ -164,7 +170,7 @@ def run() -> dict:
     factory = model_spec.factory
 
     optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
-    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    dtk.train.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     if FLAGS.explain_layouts or FLAGS.device_memory_gb:
         plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                     fsdp=FLAGS.fsdp)
@@ -224,7 +230,7 @@ def run() -> dict:
     return {
         "auto_plan": cli.plan_summary(auto_plan),
         "mesh": str(spec), "device_type": mesh.device_type(),
-        "num_clients": dtk.cluster.num_clients(), "model": FLAGS.model, "layout": table.name,
+        "num_clients": dtk.cluster.env.num_clients(), "model": FLAGS.model, "layout": table.name,
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,
         "global_batch_size": FLAGS.global_batch_size,
         "steps_per_execution": trainer.steps_per_execution,

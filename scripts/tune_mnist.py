@@ -6,8 +6,8 @@
 
 Searches the learning rate (log-uniform) and the global batch size with ASHA (early stopping on
 validation accuracy, the last 5,000 training images held out); every trial reports per-epoch
-metrics to Tune through ``dtk.ray.ReportCallback``. With ``--workers 1`` a trial is one process
-(``tune.with_resources``); with ``--workers N`` it drives a ``dtk.ray.DTensorTrainer`` of N DTensor
+metrics to Tune through ``dtk.cluster.ray.ReportCallback``. With ``--workers 1`` a trial is one process
+(``tune.with_resources``); with ``--workers N`` it drives a ``dtk.cluster.ray.DTensorTrainer`` of N DTensor
 clients whose reports reach Tune via Ray's ``TuneReportCallback``. Prints the results table and
 the best trial's test accuracy (the whole test set, every example counted).
 """
@@ -48,9 +48,11 @@ def train_trial(config: dict) -> None:
     Runs in a Tune trial (one client) or on every Ray Train worker (one client each).
     """
     import dtk  # pylint: disable=g-import-not-at-top
-    import dtk.ray  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk import mnist, models  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.ray  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import mnist  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
 
     spec = dtk.parse_mesh_spec(config["mesh"])
     mesh = dtk.build_mesh(spec, device_type="cpu")
@@ -78,9 +80,9 @@ def train_trial(config: dict) -> None:
         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
         config=dtk.TrainerConfig(seed=config["seed"], verbose=0,
                                  checkpoint_dir=config.get("checkpoint_dir")))
-    if config.get("placement_group_file") and dtk.cluster.is_lead_client():
+    if config.get("placement_group_file") and dtk.cluster.env.is_lead_client():
         _record_placement_group(config["placement_group_file"])
-    report = dtk.ray.ReportCallback(config.get("checkpoint_dir"))
+    report = dtk.cluster.ray.ReportCallback(config.get("checkpoint_dir"))
     epochs = config["epochs"]
 
     def on_epoch_end(epoch, logs):
@@ -96,13 +98,13 @@ def _multi_client_trial(config: dict) -> None:
     import ray.train  # pylint: disable=g-import-not-at-top
     import ray.tune  # pylint: disable=g-import-not-at-top
     from ray.tune.integration.ray_train import TuneReportCallback  # pylint: disable=g-import-not-at-top
-    import dtk.ray  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.ray  # pylint: disable=g-import-not-at-top
 
     workers = config["workers"]
     spec_devices = dtk.parse_mesh_spec(config["mesh"]).num_devices
     context = ray.tune.get_context()
     config = {**config, "placement_group_file": _placement_group_file(config, context.get_trial_id())}
-    dtk.ray.DTensorTrainer(
+    dtk.cluster.ray.DTensorTrainer(
         train_trial, train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=workers,
                                                resources_per_worker={"CPU": 1}),
@@ -197,7 +199,7 @@ def _check_flags(dtk) -> None:
         raise UsageError(f"--mesh {spec}: the searched global batch sizes {bad} are not divisible "
                          f"by mesh axis '{dtk.BATCH_AXIS}' (size {batch}); use a batch axis that "
                          f"divides {BATCH_SIZES} (1, 2, 4, 8, 16, 32 or 64)")
-    from dtk import mnist  # pylint: disable=g-import-not-at-top
+    from dtk.data import mnist  # pylint: disable=g-import-not-at-top
     count = int(mnist.load_mnist("train", source=FLAGS.dataset,
                                  data_dir=FLAGS.data_dir).cardinality())
     if count > 0 and FLAGS.validation_examples is not None and \

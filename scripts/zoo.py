@@ -113,7 +113,7 @@ def _row(dtk, name, factory, shape, tolerance):
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     steps, batch = FLAGS.steps, FLAGS.global_batch_size
     x, y = _data(shape, steps, batch)
     row = {"model": name}

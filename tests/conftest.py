@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 NUM_VIRTUAL_CPUS = 8
 
 dtk.configure_virtual_cpus(NUM_VIRTUAL_CPUS)
-# dtk turns Grappler's meta optimizer off when it builds a CPU mesh (dtk/mesh.py: it took half of
+# dtk turns Grappler's meta optimizer off when it builds a CPU mesh (dtk/parallel/mesh.py: it took half of
 # DTensor's first step; MobileNetV2 on batch=8: 39.5 s with it, 18.6 s without). The test process
 # turns it off from the start, so the plain single-device references computed before any mesh
 # exists run the same way. DTK_GRAPPLER=1 keeps it on (for dtk and here).

@@ -1,4 +1,4 @@
-"""A small DTensor training client for the multi-client tests (run by python -m dtk.launch).
+"""A small DTensor training client for the multi-client tests (run by python -m dtk.cluster.launch).
 
 Environment knobs (test-only): MC_KILL_AT=N makes client 1 SIGKILL itself after global step N
 (once, if MC_MARKER names a file that does not exist yet; it is created); MC_NEVER_START=1 makes
@@ -9,7 +9,7 @@ after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation;
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3); MC_MODEL=lm
 trains the transformer LM with dropout instead of the MLP; MC_PLAIN_EXIT=1 ends without
-dtk.cluster.exit_process, as a user's script does.
+dtk.cluster.env.exit_process, as a user's script does.
 """
 
 import functools
@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import dtk
-from dtk import input as input_lib
+from dtk.data import input as input_lib
 
 client = int(os.environ.get("DTENSOR_CLIENT_ID", "0"))
 if client == 1 and os.environ.get("MC_NEVER_START"):
@@ -32,7 +32,7 @@ if client == 1 and os.environ.get("MC_NEVER_START"):
 import tensorflow as tf  # noqa: E402
 
 if os.environ.get("MC_SKEW_AUTO"):
-    from dtk import trainer as _trainer_lib
+    from dtk.train import trainer as _trainer_lib
     _observe = _trainer_lib._AutoSteps.observe  # pylint: disable=protected-access
 
     def _skewed(self, seconds, steps, steps_per_epoch):
@@ -59,7 +59,7 @@ MEMORY = ({"fsdp": True, "remat": (r"d\d",), "gradient_accumulation_steps": 2}
 if os.environ.get("MC_KILL_IN_SAVE") and client == 1 and not os.path.exists(os.environ["MC_MARKER"]):
     # MC_KILL_IN_SAVE=N: client 1 dies inside the save of step N, once its shards are issued and
     # before the save's barrier (client 0 cannot record that checkpoint).
-    from dtk import checkpoint as _checkpoint_lib
+    from dtk.train import checkpoint as _checkpoint_lib
     _write = tf.train.Checkpoint.write
 
     def _write_then_die(self, prefix, *args, **kwargs):
@@ -85,7 +85,7 @@ if os.environ.get("MC_ASYNC"):  # MC_ASYNC=1/0: checkpoints written in the backg
 if os.environ.get("MC_SHARD"):  # MC_SHARD=1/0: the sharded (ZeRO) update on/off, not "auto"
     MEMORY["shard_optimizer_state"] = os.environ["MC_SHARD"] == "1"
 # With dropout: 2 clients x 4 match one process, and a killed group resumes to the same numbers,
-# only if the masks do not depend on the client count (dtk.randomness).
+# only if the masks do not depend on the client count (dtk.parallel.randomness).
 # MC_MODEL=lm: the byte-level transformer LM with dropout 0.1 (transformer_lm table) on MC_MESH.
 if os.environ.get("MC_MODEL") == "lm":
     tokens = rng.integers(0, 64, (128, 17))
@@ -152,7 +152,7 @@ resumed = getattr(trainer._checkpointer, "restored", None)  # pylint: disable=pr
 print("DONE", history.history["loss"], "sharded update:", trainer.steps.shard_optimizer_state,
       "resumed from:", resumed and os.path.basename(resumed), flush=True)
 # MC_PLAIN_EXIT=1: end as a user's script does, through the interpreter's normal exit (dtk leaves
-# the group at exit: dtk.cluster.leave_group_at_exit); otherwise as dtk's scripts do.
+# the group at exit: dtk.cluster.env.leave_group_at_exit); otherwise as dtk's scripts do.
 if not os.environ.get("MC_PLAIN_EXIT"):
-    from dtk import cluster  # noqa: E402
+    from dtk.cluster import env as cluster  # noqa: E402
     cluster.exit_process(0)

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from dtk import cluster
-from dtk.launch import free_ports  # noqa: F401  (re-exported for the tests)
+from dtk.cluster import env as cluster
+from dtk.cluster.launch import free_ports  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,10 +20,13 @@ import tf_keras
 from absl import flags
 
 import dtk
-from dtk import checkpoint as ckpt_lib
-from dtk import cluster, layouts, mnist, trainer as trainer_lib
-from dtk import input as input_lib
-from dtk.launch import LaunchConfig
+from dtk.train import checkpoint as ckpt_lib
+from dtk.cluster import env as cluster
+from dtk.parallel import layouts
+from dtk.data import mnist
+from dtk.train import trainer as trainer_lib
+from dtk.data import input as input_lib
+from dtk.cluster.launch import LaunchConfig
 from tests import procs
 
 SCRIPT = procs.REPO / "scripts" / "train_mnist.py"

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from dtk import checkpoint as ckpt_lib
+from dtk.train import checkpoint as ckpt_lib
 from tests import procs
 from tests.test_trainer import _data, _trainer
 
@@ -159,7 +159,7 @@ import contextlib, glob, os
 import tests.conftest
 from tests import procs
 from tests.test_trainer import _data, _trainer
-from dtk import checkpoint as ckpt_lib
+from dtk.train import checkpoint as ckpt_lib
 trainer = _trainer(checkpoint_dir={str(small)!r})  # the start-up check passes
 with open({str(small / "filler")!r}, "wb") as f:
     with contextlib.suppress(OSError):

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from dtk import cli
-from dtk import launch as launch_lib
+from dtk.cluster import launch as launch_lib
 from tests import procs
 
 SCRIPTS = ("train_mnist", "train_lm", "tune_mnist")
@@ -182,7 +182,7 @@ def test_launched_clients_start_quietly(monkeypatch):
 
 def test_ray_workers_start_quietly_with_one_line(monkeypatch, capsys):
     dtk_ray = pytest.importorskip(
-        "dtk.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
+        "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
     import logging  # pylint: disable=g-import-not-at-top
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     envs = dtk_ray.worker_envs(
@@ -209,7 +209,7 @@ def test_bad_launch_timeouts_are_refused():
 def test_a_client_whose_peer_died_says_one_line(monkeypatch, capsys):
     """The survivor of a killed peer: one error line naming the peer, exit 1, no traceback."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(cluster, "num_clients", lambda: 2)
     monkeypatch.setattr(cluster, "client_id", lambda: 0)
 

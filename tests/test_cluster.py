@@ -8,8 +8,8 @@ import pytest
 from tensorflow.python.eager import context
 
 import dtk
-from dtk import cluster
-from dtk import mesh as mesh_lib
+from dtk.cluster import env as cluster
+from dtk.parallel import mesh as mesh_lib
 from tests import procs
 
 

@@ -19,8 +19,9 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import _env, launch as launch_lib
-from dtk import input as input_lib
+from dtk import _env
+from dtk.cluster import launch as launch_lib
+from dtk.data import input as input_lib
 from tests import procs
 
 ACCEPTED = None  # the phrase of an accepted case

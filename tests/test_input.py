@@ -12,8 +12,8 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
-from dtk import input as input_lib
-from dtk import mnist
+from dtk.data import input as input_lib
+from dtk.data import mnist
 from tests import procs
 from tests.dtensor_asserts import assert_dtensor
 
@@ -255,7 +255,7 @@ def test_two_clients_pack_the_same_global_batch():
         import numpy as np, tensorflow as tf
         from tensorflow.experimental import dtensor
         import dtk
-        from dtk import input as input_lib
+        from dtk.data import input as input_lib
         mesh = dtk.build_mesh("batch=4,model=2", device_type="cpu")
         rng = np.random.default_rng(0)
         x = rng.random((16, 3), dtype=np.float32)

@@ -416,7 +416,7 @@ def bilstm(mask_zero, unroll=False):
 
 
 def test_reverse_equals_tf_reverse():
-    from dtk import op_support  # pylint: disable=import-outside-toplevel
+    from dtk.parallel import ops as op_support  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(0)
     x = tf.constant(rng.standard_normal((3, 5, 4)), tf.float32)
     for axes in ([1], [0, 2]):
@@ -450,7 +450,7 @@ def test_random_flip_equivalent_flips_whole_examples():
     half of them flipped per mode; at inference the images pass unchanged. Its draws on a mesh
     are mesh-invariant (tests/test_layer_table.py, the RandomFlip rows, against batch=1)."""
     import types  # pylint: disable=import-outside-toplevel
-    from dtk import op_support  # pylint: disable=import-outside-toplevel
+    from dtk.parallel import ops as op_support  # pylint: disable=import-outside-toplevel
     layer = layers.RandomFlip("horizontal", seed=1)
     layer.call = types.MethodType(op_support._random_flip_call, layer)  # pylint: disable=protected-access
     x = tf.constant(np.random.default_rng(0).random((64, 5, 6, 2)), tf.float32)

@@ -1,4 +1,4 @@
-"""python -m dtk.launch: 2 clients x 4 CPUs reproduce 1 x 8, faults fail fast, restarts resume."""
+"""python -m dtk.cluster.launch: 2 clients x 4 CPUs reproduce 1 x 8, faults fail fast, restarts resume."""
 
 import json
 import os
@@ -21,14 +21,14 @@ TIMEOUT = 240
 
 def _launch(*args, env=None, timeout=TIMEOUT):
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "dtk.launch", *args], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "dtk.cluster.launch", *args], capture_output=True,
                          text=True, timeout=timeout, env=env or procs.base_env(), cwd=procs.REPO)
     return res, time.monotonic() - start
 
 
 def _launch_watching_exit(*args, timeout=TIMEOUT):
     """Runs the launcher; returns (output, exit status, seconds from its last line to its exit)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dtk.launch", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "dtk.cluster.launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=procs.base_env(),
                             cwd=procs.REPO)
     lines, last = [], time.monotonic()
@@ -77,7 +77,7 @@ def test_two_clients_match_one_process(tmp_path, single_process):
     """Also: steps_per_execution="auto" measures differently on the two clients (MC_SKEW_AUTO);
     they stack alike (client 0's choice), or the collectives would not match and the run hang.
     The update is sharded across the clients by default. The client ends as a user's script
-    does (MC_PLAIN_EXIT: no dtk.cluster.exit_process, the interpreter's own exit). With
+    does (MC_PLAIN_EXIT: no dtk.cluster.env.exit_process, the interpreter's own exit). With
     TensorFlow's C++ log shown (--verbose), the clean run's exit prints no error: no client talks
     to a coordination service that is gone ("Failed to send RPC", "unhealthy")."""
     out = tmp_path / "losses.json"
@@ -229,7 +229,7 @@ def _start(tmp_path, *launch_args, **env):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+        [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2", "--devices_per_client", "4",
          *launch_args, "--", sys.executable, CLIENT], cwd=procs.REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=procs.base_env(MC_INFO_DIR=str(tmp_path), MC_SLOW="0.2", MC_EPOCHS="50",
@@ -247,7 +247,7 @@ def _alive(pid):
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason=(
     "Linux only: the private network namespace is a Linux feature, and the test reads which "
-    "ports listen from /proc/net/tcp; elsewhere dtk.launch warns that the group is not isolated"))
+    "ports listen from /proc/net/tcp; elsewhere dtk.cluster.launch warns that the group is not isolated"))
 def test_local_group_is_unreachable_and_sigterm_stops_everything(tmp_path):
     """The clients' servers listen only in a private network namespace (no interface but lo), so
     nothing outside the machine reaches them; SIGTERM to the launcher stops every client."""
@@ -301,7 +301,7 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--network", network, "--",
+        [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2", "--network", network, "--",
          sys.executable, str(tmp_path / "sleeper.py"), str(tmp_path)], cwd=procs.REPO, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=procs.base_env(TMPDIR=str(tmpdir)))
     clients = []
@@ -373,7 +373,7 @@ def test_frozen_client_is_named(tmp_path):
         if _alive(infos[1]["pid"]):
             os.kill(infos[1]["pid"], signal.SIGKILL)
     assert proc.returncode != 0
-    assert "dtk.launch: client 1 is stopped (frozen): client 0 lost contact with it" in err, \
+    assert "dtk.cluster.launch: client 1 is stopped (frozen): client 0 lost contact with it" in err, \
         err[-3000:]
     assert took < 60
 

@@ -3,7 +3,7 @@
 Each row trains 2 Adam steps on ``batch=8`` and must equal plain tf_keras on one device (1e-5 on
 the losses; ``batch=1`` equals one device, tested elsewhere), or fail before the first step with a
 message that names the layer, or is excluded with its reason. Random layers draw other numbers
-than plain tf_keras (dtk.randomness), so their rows must equal dtk on ``batch=1`` instead: the draws
+than plain tf_keras (dtk.parallel.randomness), so their rows must equal dtk on ``batch=1`` instead: the draws
 do not depend on the mesh. The few that draw outside Keras's generator train and are named in
 one warning.
 Every laid-out variable's actual layout is checked against its plan.
@@ -18,14 +18,14 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts
+from dtk.data import input as input_lib
+from dtk.parallel import layouts
 
 L = tf_keras.layers
 B = 16
 CLASSES = 3
 PARITY, RANDOM, REFUSED = "parity", "random", "refused"
-UNCOVERED = "uncovered"  # trains; draws per device, named in a warning (dtk.randomness)
+UNCOVERED = "uncovered"  # trains; draws per device, named in a warning (dtk.parallel.randomness)
 
 # Input kinds: one example's shape and dtype.
 INPUTS = {"img": ((8, 8, 3), "float32"), "seq": ((6, 4), "float32"), "vec": ((12,), "float32"),
@@ -163,7 +163,7 @@ TABLE = {
                        PARITY),
     "ActivityRegularization": (*single(lambda: L.ActivityRegularization(l2=0.01), "vec"),
                                PARITY),
-    # random layers: equal on every mesh (dtk.randomness); a few draw outside it (UNCOVERED)
+    # random layers: equal on every mesh (dtk.parallel.randomness); a few draw outside it (UNCOVERED)
     "Dropout": (*single(lambda: L.Dropout(0.3), "vec"), RANDOM),
     # EfficientNet's stochastic depth: a mask per example (noise_shape with a None dim).
     "Dropout(noise_shape)": (*single(lambda: L.Dropout(0.3, noise_shape=(None, 1, 1, 1)),

@@ -10,8 +10,9 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts, models
+from dtk.data import input as input_lib
+from dtk.parallel import layouts
+from dtk import models
 
 MESHES = ["batch=8", "batch=4,model=2", "batch=2,model=4"]
 MLP_PATHS = [("d1.kernel", (784, 128), tf.float32), ("d1.bias", (128,), tf.float32),

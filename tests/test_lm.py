@@ -14,8 +14,10 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts, models, text
+from dtk.data import input as input_lib
+from dtk.parallel import layouts
+from dtk import models
+from dtk.data import text
 from tests import procs
 
 FACTORY = functools.partial(models.transformer_lm, vocab=64, seq_len=16, dim=32, heads=8,
@@ -99,7 +101,7 @@ def _rows_table(axis):
                                         ("batch=8", "batch")])
 def test_vocab_sharded_embedding_trains_like_one_device(tmp_path, caplog, spec, axis):
     """Issue 43: a table sharded on its rows (DTensor's gather refuses it) is looked up block by
-    block (dtk.op_support.row_sharded_lookup): the same losses as one device, and the table and
+    block (dtk.parallel.ops.row_sharded_lookup): the same losses as one device, and the table and
     its gradient stay sharded on their rows."""
     table = tmp_path / "rows.toml"
     table.write_text(_rows_table(axis))
@@ -129,7 +131,8 @@ def test_an_id_outside_a_row_sharded_table_fails_the_step(tmp_path):
     res = procs.run_python(textwrap.dedent("""
         import pathlib, sys
         import numpy as np, dtk
-        from dtk import layouts, input as input_lib
+        from dtk.parallel import layouts
+        from dtk.data import input as input_lib
         from tests import test_lm as t
         table = pathlib.Path(sys.argv[1])
         table.write_text(t._rows_table("model"))

@@ -11,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts, models
+from dtk.data import input as input_lib
+from dtk.parallel import layouts
+from dtk import models
 from tests import procs
 
 N_TRAIN, BATCH = 128, 32  # 4 steps per epoch
@@ -27,7 +28,7 @@ MODELS = {
                              dropout=0.1), "transformer_lm", models.MODEL_SPECS["lm"].remat,
            (8,), 32),
     # Wide layers and few tokens (64 a batch): FSDP multiplies by the kernels' shards and
-    # gathers activations instead (dtk.fsdp._activation_gathered), on a batch-only mesh.
+    # gathers activations instead (dtk.parallel.fsdp._activation_gathered), on a batch-only mesh.
     "wide_lm": (functools.partial(models.transformer_lm, vocab=32, seq_len=2, dim=256, heads=4,
                                   layers=1, dropout=0.1), "transformer_lm",
                 models.MODEL_SPECS["lm"].remat, (2,), 32),
@@ -168,7 +169,7 @@ def test_fsdp_gathering_activations_matches_one_device(monkeypatch, variant):
     """Where a kernel moves more than its layer's activations, FSDP multiplies by its shards and
     gathers the activations: the MLP, and attention's projections (the output projection is
     sharded on head_dim, a dim that the kernel does not lead with). One device's numbers."""
-    from dtk import fsdp  # pylint: disable=import-outside-toplevel
+    from dtk.parallel import fsdp  # pylint: disable=import-outside-toplevel
     plan, chosen = fsdp._activation_plan, set()  # pylint: disable=protected-access
 
     def recorded(layer, inputs):
@@ -219,7 +220,7 @@ def test_accumulation_and_remat_bad_values():
     mesh = dtk.build_mesh("batch=8")
     with pytest.raises(ValueError, match=r"does not divide the per-device batch: global batch 32 "
                                          r"over mesh axis 'batch' \(size 8\) is 4 examples"):
-        dtk.steps.check_accumulation(32, mesh, 3)
+        dtk.train.steps.check_accumulation(32, mesh, 3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive integer"):
         dtk.TrainerConfig(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="tuple of layer-name patterns"):
@@ -255,7 +256,7 @@ def test_two_client_build_holds_no_full_copy(tmp_path):
                      'dims = ["unsharded", "model"]\n[[rules]]\npattern = \'big\\d\\.bias\'\n'
                      'dims = ["model"]\n')
     script.write_text(BUILD_CLIENT)
-    res = subprocess.run([sys.executable, "-m", "dtk.launch", "--num_clients", "2",
+    res = subprocess.run([sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
                           "--devices_per_client", "2", "--", sys.executable, str(script), str(table)],
                          capture_output=True, text=True, timeout=240, env=procs.base_env(),
                          cwd=procs.REPO)
@@ -285,7 +286,7 @@ import tensorflow as tf
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 8)
 from tensorflow.experimental import dtensor
-from dtk import fsdp
+from dtk.parallel import fsdp
 schedule = sys.argv[1] == "scheduled"
 mesh = dtensor.create_mesh([("batch", 8)], device_type="CPU")
 D, L = 1024, 16  # 16 weights of 4 MiB: 64 MiB gathered per device, 512 MiB on the 8 devices

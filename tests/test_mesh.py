@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import dtk
-from dtk import mesh as mesh_lib
+from dtk.parallel import mesh as mesh_lib
 from tests import procs
 
 

@@ -7,8 +7,9 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import input as input_lib
-from dtk import keras_check, layouts
+from dtk.data import input as input_lib
+from dtk import keras_check
+from dtk.parallel import layouts
 
 B, N, HIDDEN = 32, 4, 32
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import optimizers
+from dtk.train import optimizers
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import dtk
-from dtk import models, planner
+from dtk import models
+from dtk.planning import planner
 from tests import procs
 from tests import test_memory
 
@@ -241,7 +242,7 @@ def test_two_clients_choose_one_plan(tmp_path):
     """With an empty cache both clients measure together (the timed steps are collectives; client
     0 says whether to measure), client 0's figures decide, and the run trains on that plan."""
     env = procs.base_env()
-    args = [sys.executable, "-m", "dtk.launch", "--num_clients", "2", "--devices_per_client", "4",
+    args = [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2", "--devices_per_client", "4",
             "--", sys.executable, "scripts/train_mnist.py", "--mesh", "auto", "--dataset",
             "sample", "--epochs", "1", "--max_steps", "2", "--global_batch_size", "64",
             "--summary_json", str(tmp_path / "s.json")]
@@ -283,7 +284,8 @@ PLAN_UNFIT = """
 import functools, json, resource, sys
 import tensorflow as tf  # the process baseline includes TensorFlow itself
 import dtk
-from dtk import models, planner
+from dtk import models
+from dtk.planning import planner
 from tests.test_planner import MACHINE, STEP
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 factory = functools.partial(models.transformer_lm, vocab=256, seq_len=64, dim=int(sys.argv[2]),

@@ -1,4 +1,4 @@
-"""dtk.randomness: dropout and other random layers draw the same values on every mesh.
+"""dtk.parallel.randomness: dropout and other random layers draw the same values on every mesh.
 
 Parity with dropout on (losses on every mesh equal ``batch=1`` to 1e-5), the statistics of the
 draws, and the warning for random ops dtk does not cover. The MNIST MLP with dropout is also
@@ -14,8 +14,9 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts, models, randomness
+from dtk.data import input as input_lib
+from dtk.parallel import layouts, randomness
+from dtk import models
 
 LM = functools.partial(models.transformer_lm, vocab=64, seq_len=16, dim=32, heads=8, layers=1,
                        dropout=0.1)

@@ -11,14 +11,14 @@ from tests import procs
 
 ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk[ray]'")
 dtk_ray = pytest.importorskip(
-    "dtk.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
+    "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
 
 # One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""
     def train(checkpoint_dir=None, kill_at_step=None, marker=None, report=False, mesh="batch=8"):
         import json, os, signal, time
         import numpy as np, tensorflow as tf, dtk
-        from dtk import input as input_lib
+        from dtk.data import input as input_lib
         mesh = dtk.build_mesh(mesh, device_type="cpu")
         rng = np.random.default_rng(0)
         data = tf.data.Dataset.from_tensor_slices(
@@ -27,10 +27,10 @@ TRAIN = textwrap.dedent("""
             global_batch_size=64, shuffle=True, seed=1))
         on_epoch_end, on_step_end = [], []
         if report:
-            import dtk.ray
-            dtk.ray.restore_from_ray(checkpoint_dir)
-            on_epoch_end.append(dtk.ray.ReportCallback(checkpoint_dir))
-        if kill_at_step is not None and dtk.cluster.client_id() == 1 and not os.path.exists(marker):
+            import dtk.cluster.ray
+            dtk.cluster.ray.restore_from_ray(checkpoint_dir)
+            on_epoch_end.append(dtk.cluster.ray.ReportCallback(checkpoint_dir))
+        if kill_at_step is not None and dtk.cluster.env.client_id() == 1 and not os.path.exists(marker):
             def kill(step):
                 if step >= kill_at_step:
                     import ray  # the marker names this worker's node (the elastic test removes it)
@@ -50,7 +50,8 @@ DRIVER = TRAIN + textwrap.dedent("""
     import json, os, sys
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    import dtk.ray
+    import dtk.cluster.env
+    import dtk.cluster.ray
     out = sys.argv[1]
     # address="local": a fresh cluster of this test's own, never one another run left behind.
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -61,13 +62,13 @@ DRIVER = TRAIN + textwrap.dedent("""
         restarted = ray.train.get_checkpoint() is not None
         losses = train(checkpoint_dir=config["ckpt"] + ("-restarted" if restarted else ""), kill_at_step=config.get("kill"),
                        marker=os.path.join(config["out"], "killed"), report=True)
-        if dtk.cluster.client_id() == 0:
+        if dtk.cluster.env.client_id() == 0:
             with open(os.path.join(config["out"], config["name"] + ".json"), "w") as f:
                 json.dump(losses, f)
 
     results = {}
     for name, kill in (("killed", 6),):  # a killed run restarts; its losses must still match
-        result = dtk.ray.DTensorTrainer(
+        result = dtk.cluster.ray.DTensorTrainer(
             loop, train_loop_config={"ckpt": os.path.join(out, name + "-ckpt"), "out": out,
                                      "name": name, "kill": kill},
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
@@ -117,7 +118,8 @@ ELASTIC = TRAIN + textwrap.dedent("""
     import ray
     from ray.cluster_utils import Cluster
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    import dtk.ray
+    import dtk.cluster.env
+    import dtk.cluster.ray
     out = sys.argv[1]
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1, resources={"dtk": 1}) for _ in range(2)]
@@ -135,11 +137,11 @@ ELASTIC = TRAIN + textwrap.dedent("""
     def loop(config):
         losses = train(checkpoint_dir=config["ckpt"], kill_at_step=6, marker=marker, report=True,
                        mesh="batch=-1")
-        if dtk.cluster.client_id() == 0:
+        if dtk.cluster.env.client_id() == 0:
             with open(os.path.join(out, "elastic.json"), "w") as f:
-                json.dump({"losses": losses, "clients": dtk.cluster.num_clients()}, f)
+                json.dump({"losses": losses, "clients": dtk.cluster.env.num_clients()}, f)
 
-    result = dtk.ray.DTensorTrainer(
+    result = dtk.cluster.ray.DTensorTrainer(
         loop, train_loop_config={"ckpt": os.path.join(out, "ckpt")},
         scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "dtk": 1}),
         run_config=RunConfig(name="elastic", storage_path=os.path.join(out, "ray"),

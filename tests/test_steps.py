@@ -14,8 +14,10 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 import dtk
-from dtk import input as input_lib
-from dtk import layouts, models, optimizers
+from dtk.data import input as input_lib
+from dtk.parallel import layouts
+from dtk import models
+from dtk.train import optimizers
 from tests import procs
 
 B = 32      # global batch
@@ -217,7 +219,8 @@ def test_combine_setting_on_breaks_usual_steps_but_not_dtks():
     while dtk's step (update in a region of its own) still matches one device."""
     code = """
 import numpy as np, tensorflow as tf, tf_keras, dtk
-from dtk import input as input_lib, models
+from dtk.data import input as input_lib
+from dtk import models
 dtk.configure_virtual_cpus(8)
 rng = np.random.default_rng(0)
 x = rng.random((5, 64, 28, 28, 1), dtype=np.float32); y = rng.integers(0, 10, (5, 64))
@@ -272,7 +275,7 @@ def test_a_stale_dtensor_function_name_retraces_the_step(failures, other, calls,
     """CI saw "Cannot add function 'dtk_accumulate_12_body' ..." once per full suite: DTensor
     compiled a step again and its outlined loop body clashed with the earlier compilation's.
     The step function is made again (new loop names) and called again; nothing else is retried."""
-    from dtk import steps  # pylint: disable=import-outside-toplevel
+    from dtk.train import steps  # pylint: disable=import-outside-toplevel
     made, called = [], []
 
     def factory():

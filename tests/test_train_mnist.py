@@ -75,7 +75,7 @@ def test_export_matches_run(batch8):
     export_dir = summary["export"]["keras"]
     code = f"""
 import numpy as np, tf_keras
-from dtk import mnist
+from dtk.data import mnist
 data = mnist.load_mnist("test", source="idx", data_dir={DATA!r}).batch(1000)
 model = tf_keras.models.load_model({export_dir!r})
 model.compile(metrics=["sparse_categorical_accuracy"],

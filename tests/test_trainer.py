@@ -11,13 +11,13 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import checkpoint as ckpt_lib
-from dtk import input as input_lib
+from dtk.train import checkpoint as ckpt_lib
+from dtk.data import input as input_lib
 from dtk import models
 from tests import procs
 
 # With dropout: parity with one device and resume == uninterrupted hold with random layers too
-# (dtk.randomness draws the same masks on every mesh and after a restore).
+# (dtk.parallel.randomness draws the same masks on every mesh and after a restore).
 FACTORY = functools.partial(models.mnist_mlp, hidden=16, dropout=0.2)
 N_TRAIN, N_TEST, BATCH = 200, 75, 32   # 6 steps per epoch, 8 examples dropped; 75 = 2*32 + 11
 
@@ -359,7 +359,7 @@ def test_repeated_dataset_with_steps_per_epoch_resumes_exactly(tmp_path):
     (12.0, 3.0, 7, 7),
 ])
 def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
-    from dtk import trainer as trainer_lib
+    from dtk.train import trainer as trainer_lib
     assert trainer_lib.choose_steps_per_call(step_ms / 1e3, overhead_ms / 1e3, epoch) == want
 
 
@@ -367,7 +367,7 @@ def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
 def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
     """auto re-stacks the stream twice in epoch 0 (1 -> 2 -> 3 per call); the updates, max_steps
     and the history are those of one step per call, bit for bit."""
-    from dtk import trainer as trainer_lib
+    from dtk.train import trainer as trainer_lib
 
     def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
         self.calls = getattr(self, "calls", 0) + 1
@@ -402,7 +402,7 @@ def test_auto_shard_optimizer_state_rule(spec, layout, want):
 @pytest.mark.slow  # 10-14 s: the fast lane's 3-minute budget
 def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
     """A run stopped mid-epoch resumes with the count it chose (no new calibration), same numbers."""
-    from dtk import trainer as trainer_lib
+    from dtk.train import trainer as trainer_lib
 
     def observe(self, seconds, steps, steps_per_epoch):
         self.set(2)

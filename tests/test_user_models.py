@@ -1,6 +1,6 @@
 """Models users bring: ops DTensor cannot lay out, preprocessing state, recurrent layers, export.
 
-The equivalents in ``dtk.op_support`` equal TensorFlow's ops in values and gradients (on one device
+The equivalents in ``dtk.parallel.ops`` equal TensorFlow's ops in values and gradients (on one device
 and, inside models, on sharded meshes); blocks of MobileNetV2 (depthwise), DenseNet (average
 pooling), LSTM/GRU without ``unroll`` and both Normalization forms train on ``batch=8`` and
 ``batch=4,model=2`` like one device, resume exactly and export exactly. The real applications
@@ -15,9 +15,9 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
-from dtk import checkpoint as ckpt_lib
-from dtk import input as input_lib
-from dtk import layouts, op_support
+from dtk.train import checkpoint as ckpt_lib
+from dtk.data import input as input_lib
+from dtk.parallel import layouts, ops as op_support
 
 L = tf_keras.layers
 B = 16

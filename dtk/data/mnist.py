@@ -1,6 +1,6 @@
 """MNIST, the example data set: ``tensorflow_datasets`` (the default), LeCun IDX files, a bundled sample.
 
-This is example data, kept apart from dtk's input path (``dtk.input``), which takes any
+This is example data, kept apart from dtk's input path (``dtk.data.input``), which takes any
 ``tf.data.Dataset``.
 
 Both give the same ``tf.data.Dataset`` of unbatched ``(image, label)`` pairs: image float32
@@ -30,7 +30,7 @@ from dtk import _env
 
 _log = logging.getLogger("dtk")
 SOURCES = ("tfds", "idx", "sample")
-SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "mnist_sample"
+SAMPLE_DIR = Path(__file__).resolve().parent / "mnist_sample"
 SAMPLE_SIZES = {"train": 2000, "test": 1000}
 _SAMPLE_NOTICE: list[bool] = []  # the fallback notice is given once per process
 

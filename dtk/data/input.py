@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from dtk.mesh import BATCH_AXIS, as_mesh, batch_layout, check_batch_axis
+from dtk.parallel.mesh import BATCH_AXIS, as_mesh, batch_layout, check_batch_axis
 
 REMAINDER_POLICIES = ("drop", "pad", "error")
 
@@ -380,7 +380,8 @@ class DistributedDataset:
             another axis, so they must read the same rows: use parity mode), a global batch not
             divisible by the number of clients, or clients with different numbers of batches.
         """
-        from dtk import cluster, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+        from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
         clients = cluster.num_clients()
         shard = ClientShard(num_clients=clients, client_id=cluster.client_id())
         if clients == 1:

@@ -30,8 +30,8 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context as _context
 
 from dtk import _env
-from dtk import cluster
-from dtk.cluster import client_id, is_multi_client, num_clients
+from dtk.cluster import env as cluster
+from dtk.cluster.env import client_id, is_multi_client, num_clients
 
 BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
@@ -342,7 +342,7 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     else:
         mesh = dtensor.create_mesh(list(mesh_spec.axes), devices=local_devices, device_type=kind)
     ready = _env.get_str(_env.READY_FILE)
-    if ready:  # tells python -m dtk.launch that this client joined the cluster
+    if ready:  # tells python -m dtk.cluster.launch that this client joined the cluster
         with open(ready, "w") as f:
             f.write(describe_mesh(mesh))
     return mesh

@@ -101,7 +101,7 @@ def client_env(*, jobs: Sequence[str], client: int, register_timeout_s: float | 
                ready_file: str | None = None) -> dict[str, str]:
     """The environment that makes a process DTensor client ``client`` of the cluster ``jobs``.
 
-    Every launcher (``dtk.launch``, the Ray backend, the TF_CONFIG and Slurm bridges, the tests)
+    Every launcher (``dtk.cluster.launch``, the Ray backend, the TF_CONFIG and Slurm bridges, the tests)
     builds a client's environment here, so the contract exists once.
 
     Args:

@@ -1,6 +1,6 @@
 """The outer loop: ``Trainer.fit / evaluate / predict`` with progress, checkpoints and resume.
 
-The inner loop is ``dtk.steps`` (compiled steps); this module owns epochs, evaluation cadence,
+The inner loop is ``dtk.train.steps`` (compiled steps); this module owns epochs, evaluation cadence,
 checkpoints, callbacks, TensorBoard scalars and progress output, in plain Python around those calls.
 
 Example::
@@ -35,19 +35,19 @@ import tf_keras
 from tensorflow.experimental import dtensor
 from tensorflow.python.eager import context
 
-from dtk import checkpoint as ckpt_lib
-from dtk import cluster
+from dtk.train import checkpoint as ckpt_lib
+from dtk.cluster import env as cluster
 from dtk.errors import first_line
-from dtk import layouts as layouts_lib
-from dtk import mesh as mesh_lib
-from dtk import op_support
-from dtk import optimizers as optimizers_lib
-from dtk import resume as resume_lib
+from dtk.parallel import layouts as layouts_lib
+from dtk.parallel import mesh as mesh_lib
+from dtk.parallel import ops as op_support
+from dtk.train import optimizers as optimizers_lib
+from dtk.train import resume as resume_lib
 from dtk import keras_check
-from dtk.input import DataSource, DistributedDataset
-from dtk.mesh import BATCH_AXIS
-from dtk import steps as steps_lib
-from dtk.steps import StepConfig, Steps
+from dtk.data.input import DataSource, DistributedDataset
+from dtk.parallel.mesh import BATCH_AXIS
+from dtk.train import steps as steps_lib
+from dtk.train.steps import StepConfig, Steps
 
 _PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
 _log = logging.getLogger("dtk")
@@ -104,7 +104,7 @@ class TrainerConfig:
         and epoch end, so no extra device sync.
       restart_from_scratch: when ``checkpoint_dir`` holds checkpoints, start again from step 0
         instead of resuming (new checkpoints then replace the old ones).
-      allow_change: settings a resume may change on purpose (see ``dtk.resume``), e.g.
+      allow_change: settings a resume may change on purpose (see ``dtk.train.resume``), e.g.
         ``("learning_rate", "seed")``; ``"model"`` allows every model hyper-parameter. Any other
         difference from the checkpoint's settings is a ``ValueError`` listing each. An allowed
         change is applied (a new learning rate is set on the restored optimizer) and reported
@@ -112,15 +112,15 @@ class TrainerConfig:
       settings: more settings that shape the run, recorded in every checkpoint and compared on
         resume like dtk's own (a script adds its data source, e.g. ``{"dataset": "idx"}``).
       fsdp: store weights, gradients and optimizer state sharded over the batch axis (ZeRO-3,
-        ``dtk.fsdp``); weights are gathered for compute. Same numbers as without.
+        ``dtk.parallel.fsdp``); weights are gathered for compute. Same numbers as without.
       remat: layer-name patterns whose activations are recomputed in the backward pass
-        (``dtk.remat``); same numbers, less activation memory, about one more forward pass.
+        (``dtk.parallel.remat``); same numbers, less activation memory, about one more forward pass.
       gradient_accumulation_steps: split each batch into this many microbatches and make one
         update from their summed gradients (see ``dtk.StepConfig``); same numbers as one
         batch, less activation memory. Steps, checkpoints and ``max_steps`` count updates.
       async_checkpoints: write checkpoints in the background (the default): a save copies
         each client's shards of the state to host memory and training goes on while a thread
-        writes them; the checkpoint becomes the latest only once complete (``dtk.checkpoint``).
+        writes them; the checkpoint becomes the latest only once complete (``dtk.train.checkpoint``).
         Measured on the LM (dim 512, 4 blocks, 148 MiB per checkpoint, ``batch=8``): training
         stalls 1.1 s per save instead of 3.6 s (``scripts/bench_checkpoint.py``). False writes
         each checkpoint before the next step (no host copy of the state).
@@ -237,7 +237,7 @@ class Trainer:
       input_shape: one example's input shape (no batch dim), to build a subclassed model from a
         factory (see ``dtk.build_model``).
       allow_replicated: accept a table that shards no weight of this model (see
-        ``dtk.layouts.plan_weights``).
+        ``dtk.parallel.layouts.plan_weights``).
 
     Raises:
       TypeError: a Keras 3 object, or a model that is neither a factory nor a laid-out model.
@@ -336,7 +336,7 @@ class Trainer:
     def _check_data(self, data: Any, *, stacked: int) -> None:
         if not isinstance(data, DataSource):
             raise TypeError(
-                f"data must be a dtk.DistributedDataset (or another dtk.input.DataSource); got "
+                f"data must be a dtk.DistributedDataset (or another dtk.data.input.DataSource); got "
                 f"{type(data).__name__}. Wrap a tf.data.Dataset of unbatched (features, labels) "
                 "with dtk.DistributedDataset(dataset, mesh, dtk.InputConfig(global_batch_size="
                 "...)); numpy arrays first with tf.data.Dataset.from_tensor_slices((x, y))")
@@ -372,7 +372,7 @@ class Trainer:
         """Trains for ``epochs`` epochs (resuming from ``checkpoint_dir`` if it holds a checkpoint).
 
         Args:
-          train_data: a ``dtk.input.DistributedDataset`` (``steps_per_call`` equal to the trainer's
+          train_data: a ``dtk.data.input.DistributedDataset`` (``steps_per_call`` equal to the trainer's
             ``steps_per_execution``).
           epochs: total epochs, counting epochs done before a resume.
           validation_data: evaluated at the end of every epoch (``val_`` logs).
@@ -613,7 +613,7 @@ class Trainer:
                         for m in difflib.get_close_matches(name, list(self._settings), n=3,
                                                            cutoff=0.5)})
         hint = (f"closest recorded settings: {', '.join(close)}" if close else
-                f"this run records {len(self._settings)} settings (dtk.resume.settings)")
+                f"this run records {len(self._settings)} settings (dtk.train.resume.settings)")
         raise ValueError(f"allow_change (--allow_change) names setting(s) {unknown} that this run "
                          f"does not record; {hint}. Give recorded names, or drop them")
 
@@ -653,7 +653,7 @@ class Trainer:
         self._checkpointer.save({
             "epoch": epoch, "batch_in_epoch": batch_in_epoch, "steps_per_epoch": steps_per_epoch,
             "auto_steps_per_call": auto,  # a resumed run skips the calibration
-            "settings": self._settings,  # compared on resume (dtk.resume)
+            "settings": self._settings,  # compared on resume (dtk.train.resume)
             "history": {"epochs": self.history.epochs, "logs": self.history.history},
         }, step=self.global_step)
 

@@ -56,8 +56,8 @@ from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 from tensorflow.python.ops import gen_io_ops
 
-from dtk import cluster
-from dtk import layouts as layouts_lib
+from dtk.cluster import env as cluster
+from dtk.parallel import layouts as layouts_lib
 from dtk.errors import first_line
 
 _log = logging.getLogger("dtk")

@@ -5,7 +5,7 @@ candidate: each factorization of the device count into the layout table's axes (
 ``model``), times the memory options (the sharded "ZeRO" update or FSDP, remat of the model's
 blocks or not), each with the fewest microbatches whose activations fit. For each it gives
 
-- **memory per device, from the layout plan** (``dtk.layouts.plan_weights`` on that mesh, so a
+- **memory per device, from the layout plan** (``dtk.parallel.layouts.plan_weights`` on that mesh, so a
   table that cannot shard a weight on it drops the candidate with the table's own error):
   weights and optimizer state as stored, gradients in the compute layout, the weights FSDP
   gathers, and activations. Activations are the one estimate: the sum of every leaf layer's
@@ -198,7 +198,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     The plain build holds the model once on this host (the planner runs before any mesh).
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     model = layouts._check_factory_result(model_factory())  # pylint: disable=protected-access
     if input_shape is None or input_dtype is None:
         inputs = getattr(model, "inputs", None) if model.built else None
@@ -296,7 +296,7 @@ def _layer_split(layer: LayerProfile, dims_of: dict[str, tuple], sizes: dict[str
 
 
 def _block(layer: LayerProfile, remat: Sequence[str]) -> str | None:
-    """The outermost layer on ``layer``'s path that a remat pattern names (as ``dtk.remat``)."""
+    """The outermost layer on ``layer``'s path that a remat pattern names (as ``dtk.parallel.remat``)."""
     parts = layer.name.split("/")
     for i in range(len(parts)):
         if any(re.fullmatch(p, parts[i]) for p in remat):
@@ -335,7 +335,7 @@ def _compute_dims(plan) -> dict[str, tuple]:
 
 def _gradient_bytes(plan) -> int:
     """Bytes per device of all gradients, in the compute layout."""
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     sizes, dims = dict(plan.mesh_axes), _compute_dims(plan)
     return sum(w.bytes_total // layouts._split(dims[w.path], sizes)  # pylint: disable=protected-access
                for w in plan.weights)
@@ -345,7 +345,7 @@ def candidate_memory(profile: ModelProfile, plan, *, update: str, remat: Sequenc
                      rows_per_device: int, optimizer_slots: int = 2) -> dict[str, int]:
     """Bytes per device of a candidate: weights, optimizer state, gradients, gathered weights
     and activations (``rows_per_device``: the rows one microbatch puts on a device)."""
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     sizes = dict(plan.mesh_axes)
     zero = update == "zero" and sizes.get("batch", 1) > 1
     stored = layouts.memory_per_device(plan, optimizer_slots=optimizer_slots,
@@ -392,7 +392,7 @@ def _model_axis_ms(profile: ModelProfile, plan, machine: MachineCalibration, row
         in_bytes = rows * layer.in_elements * layer.itemsize
         if kernel.endswith("embeddings") and dims[0] == "model":
             # rows sharded: each device's block looked up, summed over the axis (an all-reduce
-            # of the output, dtk.op_support.row_sharded_lookup); its gradient stays sharded
+            # of the output, dtk.parallel.ops.row_sharded_lookup); its gradient stays sharded
             total += 2 * machine.gather_ms(m, out_bytes)
         elif kernel.endswith("embeddings"):  # features sharded: gathered after the lookup
             total += machine.gather_ms(m, out_bytes)
@@ -407,7 +407,7 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
                *, global_batch_size: int, update: str, remat: bool, microbatches: int,
                remat_patterns: Sequence[str] = ()) -> float:
     """Predicted ms per step of one candidate (the module docstring's formula)."""
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     sizes = dict(plan.mesh_axes)
     b = sizes.get("batch", 1)
     k = microbatches
@@ -435,7 +435,7 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
         # FSDP's own cost on batch=D, and each more microbatch's gathers again: measured there,
         # scaled by what is gathered
         ms += (step.fsdp_ms + (k - 1) * step.fsdp_microbatch_ms) * gathered / max(full, 1)
-    if k > 1:  # the loop's cost, and DTensor reduces every microbatch's gradients (dtk.steps)
+    if k > 1:  # the loop's cost, and DTensor reduces every microbatch's gradients (dtk.train.steps)
         ms += (k - 1) * (step.microbatch_ms + 2 * machine.gather_ms(b, _gradient_bytes(plan)))
     return ms
 
@@ -457,7 +457,7 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                          step: StepCalibration | None, remat_patterns: Sequence[str] = (),
                          optimizer_slots: int = 2) -> list[Candidate]:
     """Every candidate with its memory and (given the calibrations) its predicted time."""
-    from dtk import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     axes = ["batch"] + [a for a in table.axes if a != "batch"]
     out = []
     for sizes in factorizations(devices, axes):
@@ -553,7 +553,7 @@ def _load_cache(path: str) -> dict:
 def _cached(path: str, key: str, refresh: bool) -> dict | None:
     """The cached entry, or None: measure. In a multi-client run, client 0's answer for every
     client: the measurements run collectives, so all clients measure or none does."""
-    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
     value = None if refresh else _load_cache(path).get(key)
     if not cluster.is_multi_client():
         return value
@@ -595,7 +595,7 @@ def calibrate_machine(device_type: str, devices: int, *, cache: str | None = Non
     """Times gathers over each axis size that divides ``devices`` (cached, see the module doc)."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
-    from dtk import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     path = cache or cache_path()
     key = f"machine/{device_type}:{devices}"
     cached = _cached(path, key, refresh)
@@ -650,7 +650,8 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
     path = cache or cache_path()
     key = (f"step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
            f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}"
@@ -743,7 +744,8 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     import gc  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from dtk import layouts, materialize, mesh as mesh_lib, steps  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, materialize, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
     mesh = mesh_lib.build_mesh(on.mesh, device_type=device_type)
     sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
     b, k = sizes.get("batch", 1), on.microbatches
@@ -836,7 +838,7 @@ def _random_batch(rng, mesh, rows: int, input_shape: Sequence[int], input_dtype:
     """A packed batch of random inputs and labels for a timed step (integer inputs, token ids,
     are drawn from the label range too)."""
     import numpy as np  # pylint: disable=g-import-not-at-top
-    from dtk import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     shape = [rows, *input_shape]
     if "int" in input_dtype:
         x = rng.integers(0, num_classes, shape).astype(input_dtype)
@@ -889,7 +891,7 @@ def alternating_ms(fns: Sequence[Callable[[], Any]], *, rounds: int = 9,
 def _agree(machine: MachineCalibration, step: StepCalibration
            ) -> tuple[MachineCalibration, StepCalibration]:
     """Client 0's figures on every client, so that every client chooses the same plan."""
-    from dtk import cluster  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
     if not cluster.is_multi_client():
         return machine, step
     from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
@@ -942,7 +944,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
       PlanError: no candidate fits, with the smallest shortfall and the fix.
       ValueError: bad arguments, named.
     """
-    from dtk import cluster as cluster_lib, layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     if not callable(model_factory):
         raise TypeError(f"model_factory must be a function that builds the tf_keras model (e.g. "
                         f"dtk.models.mnist_mlp); got {type(model_factory).__name__} "

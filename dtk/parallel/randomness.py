@@ -102,7 +102,7 @@ def _global_index(shape: Sequence[int], like: tf.Tensor | None) -> tf.Tensor:
     for dim in reversed(range(rank)):
         iota = tf.cast(tf.range(shape[dim]), _U32)
         if dim == 0 and microbatches > 1:
-            # Row r of microbatch j is row r * k + j of the whole batch (dtk.steps splits it so):
+            # Row r of microbatch j is row r * k + j of the whole batch (dtk.train.steps splits it so):
             # the draw is the one the whole batch would get.
             iota = iota * tf.constant(microbatches, _U32) + tf.cast(microbatch, _U32)
         if stride != 1:
@@ -365,7 +365,7 @@ def adapt_layers(model: tf_keras.Model, *, seed: int) -> list[str]:
         return []
     shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
     return [f"random layers {shown}: draws keyed by (seed, step, layer, global index), the same on "
-            "every mesh (dtk.randomness)"]
+            "every mesh (dtk.parallel.randomness)"]
 
 
 def uncovered_random_ops(graph: Any) -> dict[str, list[str]]:

@@ -22,7 +22,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.keras_check import require_keras2
-from dtk.mesh import as_mesh
+from dtk.parallel.mesh import as_mesh
 
 OPTIMIZERS: dict[str, str] = {
     "sgd": "SGD",

@@ -1,17 +1,17 @@
 """dtk on a Ray cluster: a Ray Train backend for DTensor clients (``pip install 'dtk[ray]'``).
 
     from ray.train import ScalingConfig, RunConfig, FailureConfig
-    import dtk.ray
+    import dtk.cluster.ray
 
     def train_loop(config):
         mesh = dtk.build_mesh("batch=8")                  # 2 workers x 4 devices
         ...
         checkpoint_dir = "/shared/run1/ckpt"              # storage every worker sees
-        dtk.ray.restore_from_ray(checkpoint_dir)          # after a restart: Ray's latest checkpoint
+        dtk.cluster.ray.restore_from_ray(checkpoint_dir)          # after a restart: Ray's latest checkpoint
         trainer = dtk.Trainer(..., config=dtk.TrainerConfig(checkpoint_dir=checkpoint_dir))
-        trainer.fit(data, epochs=3, on_epoch_end=[dtk.ray.ReportCallback(checkpoint_dir)])
+        trainer.fit(data, epochs=3, on_epoch_end=[dtk.cluster.ray.ReportCallback(checkpoint_dir)])
 
-    result = dtk.ray.DTensorTrainer(
+    result = dtk.cluster.ray.DTensorTrainer(
         train_loop, train_loop_config={"lr": 1e-3},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path="/shared/ray", failure_config=FailureConfig(max_failures=1)),
@@ -58,9 +58,10 @@ try:
     from ray.train.backend import Backend, BackendConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 except ImportError as _e:  # pragma: no cover - depends on the install
-    raise ImportError(f"dtk.ray needs Ray Train: pip install 'dtk[ray]' ({_e})") from _e
+    raise ImportError(f"dtk.cluster.ray needs Ray Train: pip install 'dtk[ray]' ({_e})") from _e
 
-from dtk import _env, cluster
+from dtk import _env
+from dtk.cluster import env as cluster
 
 __all__ = ["DTensorConfig", "DTensorTrainer", "ReportCallback", "restore_from_ray"]
 
@@ -227,7 +228,7 @@ class DTensorTrainer(DataParallelTrainer):
                                            start_timeout_s=start_timeout_s,
                                            heartbeat_timeout_s=heartbeat_timeout_s)
         elif not isinstance(dtensor_config, DTensorConfig):
-            raise TypeError(f"dtensor_config must be a dtk.ray.DTensorConfig; got "
+            raise TypeError(f"dtensor_config must be a dtk.cluster.ray.DTensorConfig; got "
                             f"{type(dtensor_config).__name__}")
         super().__init__(train_loop_per_worker, train_loop_config=train_loop_config,
                          backend_config=dtensor_config, scaling_config=scaling_config,

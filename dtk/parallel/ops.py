@@ -27,7 +27,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.mesh import BATCH_AXIS
+from dtk.parallel.mesh import BATCH_AXIS
 
 _log = logging.getLogger("dtk")
 
@@ -46,23 +46,23 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
         op="DepthwiseConv2dNativeBackpropFilter",
         layers=("DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv2D", "SeparableConv1D"),
         handling="equivalent: the native depthwise convolution forward and input gradient, the "
-                 "filter gradient as a sum over kernel taps of strided slices (dtk.op_support."
+                 "filter gradient as a sum over kernel taps of strided slices (dtk.parallel.ops."
                  "depthwise_conv2d)"),
     UnsupportedOp(
         op="DepthwiseConv2dNativeBackpropInput",
         layers=("DepthwiseConv2D", "DepthwiseConv1D", "SeparableConv2D", "SeparableConv1D"),
         handling="equivalent: the input gradient as each kernel tap's contribution put back at "
-                 "its input positions (pads and reshapes; dtk.op_support.depthwise_conv2d)"),
+                 "its input positions (pads and reshapes; dtk.parallel.ops.depthwise_conv2d)"),
     UnsupportedOp(
         op="AvgPoolGrad",
         layers=("AveragePooling2D", "AveragePooling1D"),
         handling="equivalent: average pooling as a reshape and mean (pool = strides, 'valid'), "
                  "else a sum of strided slices over the window divided by the window's count "
-                 "(dtk.op_support.avg_pool)"),
+                 "(dtk.parallel.ops.avg_pool)"),
     UnsupportedOp(
         op="AvgPool3DGrad",
         layers=("AveragePooling3D",),
-        handling="equivalent: as AvgPoolGrad, in three dims (dtk.op_support.avg_pool3d)"),
+        handling="equivalent: as AvgPoolGrad, in three dims (dtk.parallel.ops.avg_pool3d)"),
     UnsupportedOp(
         op="TensorListFromTensor",
         layers=("LSTM", "GRU", "SimpleRNN", "RNN", "Bidirectional", "ConvLSTM1D", "ConvLSTM2D",
@@ -80,9 +80,9 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
         op="ReverseV2",
         layers=("Bidirectional", "RandomFlip"),
         handling="equivalent: the reverse as a product with the exchange matrix (exact; "
-                 "dtk.op_support.reverse): Bidirectional's return_sequences output along time "
+                 "dtk.parallel.ops.reverse): Bidirectional's return_sequences output along time "
                  "(the unrolled backward layer reverses its steps in Python, no op); RandomFlip's "
-                 "flips, each example flipped or not by one mesh-invariant draw (dtk.randomness)"),
+                 "flips, each example flipped or not by one mesh-invariant draw (dtk.parallel.randomness)"),
     UnsupportedOp(
         op="ImageProjectiveTransformV3",
         layers=("RandomRotation", "RandomTranslation", "RandomZoom"),
@@ -256,7 +256,7 @@ def _bidirectional_call(call):
 
 def _random_flip_call(self, inputs, training=True):
     """``RandomFlip.call`` with flips DTensor can lay out: one uniform draw per example and flip
-    (from the layer's generator: mesh-invariant under dtk.randomness, as Dropout's masks), then
+    (from the layer's generator: mesh-invariant under dtk.parallel.randomness, as Dropout's masks), then
     ``where(draw < 0.5, reverse(x), x)`` on the image's width (horizontal) and height (vertical)
     dims. Batched images only (rank 4, as in a model); outside training, the images as they are.
     """
@@ -662,5 +662,5 @@ def explain_failure(message: str, model: Any = None) -> str | None:
     where = f" used by layer {', '.join(layers[:3])}" if layers else ""
     return (f"TensorFlow op {op}{where} has no DTensor layout propagation, so this model cannot "
             "run on a DTensor mesh as it is; replace the layer by one dtk supports (see "
-            "dtk.op_support.UNSUPPORTED_OPS) or report the layer to dtk")
+            "dtk.parallel.ops.UNSUPPORTED_OPS) or report the layer to dtk")
 

@@ -1,6 +1,6 @@
 """Text for language models, with no download: bytes of Python's own standard library (or a file).
 
-Example data, like ``dtk.mnist``: the Python standard library's ``.py`` files (about 13 MB under
+Example data, like ``dtk.data.mnist``: the Python standard library's ``.py`` files (about 13 MB under
 ``sysconfig.get_paths()["stdlib"]``, on every machine with Python) or any text file, read as bytes
 (tokens 0..255), split into training and held-out text BY FILE (every ``heldout_every``-th file
 is held out, so held-out code is code the model never saw), cut into windows of ``seq_len + 1``
@@ -8,8 +8,8 @@ bytes: inputs are the first ``seq_len`` bytes, targets the next byte at each pos
 
 Example::
 
-    corpus = dtk.text.load_corpus()                  # TextCorpus(train=bytes, heldout=bytes, ...)
-    train = dtk.text.windows(corpus.train, seq_len=128)   # tf.data of (int32 [128], int64 [128])
+    corpus = dtk.data.text.load_corpus()                  # TextCorpus(train=bytes, heldout=bytes, ...)
+    train = dtk.data.text.windows(corpus.train, seq_len=128)   # tf.data of (int32 [128], int64 [128])
 """
 
 from __future__ import annotations

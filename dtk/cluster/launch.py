@@ -1,6 +1,6 @@
-"""``python -m dtk.launch``: run N DTensor clients of one command on this machine, safely.
+"""``python -m dtk.cluster.launch``: run N DTensor clients of one command on this machine, safely.
 
-    python -m dtk.launch --num_clients 2 --devices_per_client 4 -- \\
+    python -m dtk.cluster.launch --num_clients 2 --devices_per_client 4 -- \\
         python scripts/train_mnist.py --mesh batch=8 --dataset idx --data_dir ../shared/data/mnist
 
 Like ``torchrun`` for DTensor: picks free loopback ports, gives each client its ``DTENSOR_*``
@@ -59,7 +59,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dtk import _env, cluster
+from dtk import _env
+from dtk.cluster import env as cluster
 
 _GRACE_S = 3.0      # SIGTERM -> SIGKILL
 _POLL_S = 0.1
@@ -309,7 +310,7 @@ def run_group(command: Sequence[str], config: LaunchConfig, *, out=None,
                 time.sleep(_POLL_S)
         finally:
             if message:
-                print(f"dtk.launch: {message}", file=sys.stderr, flush=True)
+                print(f"dtk.cluster.launch: {message}", file=sys.stderr, flush=True)
             for p in procs:
                 if p.poll() is None and _is_stopped(p.pid):
                     p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
@@ -348,7 +349,7 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
     """
     if not command:
         raise ValueError("no command to launch; put it after '--', e.g. "
-                         "python -m dtk.launch --num_clients 2 -- python train.py")
+                         "python -m dtk.cluster.launch --num_clients 2 -- python train.py")
     _Stop.signum = None
     previous = {}
 
@@ -367,7 +368,7 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
         if code != 0 and _Stop.signum is None and config.min_clients is not None and \
                 size > config.min_clients:
             group = dataclasses.replace(group, num_clients=size - 1)
-            print(f"dtk.launch: elastic: the next attempt runs on {size - 1} client(s) "
+            print(f"dtk.cluster.launch: elastic: the next attempt runs on {size - 1} client(s) "
                   f"(--min_clients {config.min_clients})", file=sys.stderr, flush=True)
         return code
 
@@ -375,7 +376,7 @@ def launch(command: Sequence[str], config: LaunchConfig, *, out=None) -> int:
         return run_with_restarts(
             attempt, max_restarts=config.max_restarts,
             failed=lambda code: code != 0 and _Stop.signum is None,
-            describe=lambda code: f"code {code}", who="dtk.launch")
+            describe=lambda code: f"code {code}", who="dtk.cluster.launch")
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -423,7 +424,7 @@ def _run_inner(argv: Sequence[str], prefix: list[str] | None) -> int:
     env = dict(os.environ, **{_INNER_ENV: root})
     if prefix:
         env[_IN_NETNS_ENV] = "1"
-    command = [*(prefix + ["--"] if prefix else []), sys.executable, "-m", "dtk.launch", *argv]
+    command = [*(prefix + ["--"] if prefix else []), sys.executable, "-m", "dtk.cluster.launch", *argv]
     try:
         proc = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent(signal.SIGTERM))
 
@@ -435,7 +436,7 @@ def _run_inner(argv: Sequence[str], prefix: list[str] | None) -> int:
             signal.signal(sig, forward)
         code = proc.wait()
         if code < 0 and code not in (-signal.SIGTERM, -signal.SIGINT):  # not what we forwarded
-            print(f"dtk.launch: the inner launcher (pid {proc.pid}) {_describe(code)}; its "
+            print(f"dtk.cluster.launch: the inner launcher (pid {proc.pid}) {_describe(code)}; its "
                   "clients were stopped with it", file=sys.stderr, flush=True)
         return _exit_code(code)
     finally:
@@ -449,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(prog="python -m dtk.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dtk.cluster.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_clients", type=int, required=True, help="client processes")
     parser.add_argument("--devices_per_client", type=int, default=None,
                         help="CPU: virtual devices per client (default: what the mesh needs)")
@@ -472,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         hint = "" if command else (
-            f"; the command to launch goes after '--', e.g. python -m dtk.launch --num_clients "
+            f"; the command to launch goes after '--', e.g. python -m dtk.cluster.launch --num_clients "
             f"{args.num_clients} -- {' '.join(extra)}")
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     try:
@@ -483,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               heartbeat_timeout_s=args.heartbeat_timeout, verbose=args.verbose)
         if not command:
             raise ValueError("no command to launch; put it after '--', e.g. "
-                             "python -m dtk.launch --num_clients 2 -- python train.py")
+                             "python -m dtk.cluster.launch --num_clients 2 -- python train.py")
         if shutil.which(command[0]) is None:
             raise ValueError(f"command {command[0]!r} is not an executable file or on PATH; "
                              "give the program to run after '--', e.g. -- python train.py")
@@ -499,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             shutil.rmtree(os.environ[_INNER_ENV], ignore_errors=True)
     if args.network == "host":
-        print("dtk.launch: warning: --network host: the clients' gRPC ports listen on all "
+        print("dtk.cluster.launch: warning: --network host: the clients' gRPC ports listen on all "
               "interfaces, unauthenticated, and are reachable from other hosts unless a firewall "
               "blocks them", file=sys.stderr, flush=True)
     else:
@@ -512,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--network isolated: {text}. Use --network host to run on the host's "
                          "network, where the clients' ports are reachable from other hosts "
                          "unless a firewall blocks them")
-        print(f"dtk.launch: warning: {text}; the clients' gRPC ports listen on all interfaces "
+        print(f"dtk.cluster.launch: warning: {text}; the clients' gRPC ports listen on all interfaces "
               "and are reachable from other hosts unless a firewall blocks them", file=sys.stderr,
               flush=True)
     return _run_inner(original, None)

@@ -36,10 +36,11 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import _env, materialize, op_support, randomness
-from dtk import fsdp as fsdp_lib
+from dtk import _env
+from dtk.parallel import materialize, ops as op_support, randomness
+from dtk.parallel import fsdp as fsdp_lib
 from dtk import keras_check
-from dtk.mesh import as_mesh
+from dtk.parallel.mesh import as_mesh
 
 try:
     import tomllib
@@ -86,7 +87,7 @@ class LayoutTable:
 
 def shipped_tables_dir() -> Path:
     """The tables that come with dtk: ``dtk/tables`` when installed, ``layouts/`` in a checkout."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # dtk/
     installed = here / "tables"
     if any(installed.glob("*.toml")):
         return installed
@@ -215,7 +216,7 @@ class LayoutPlan:
 
     @property
     def fsdp(self) -> bool:
-        """Whether weights are stored sharded over the batch axis (``dtk.fsdp``)."""
+        """Whether weights are stored sharded over the batch axis (``dtk.parallel.fsdp``)."""
         return any(w.compute_dims is not None for w in self.weights)
 
 
@@ -223,7 +224,7 @@ def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
                     size: int) -> tuple[str | None, ...]:
     """``dims`` plus ``axis`` on the first unsharded dim that ``size`` divides; unchanged when
     the axis already shards a dim or no dim qualifies. The placement of the sharded optimizer
-    update (``dtk.steps.update_layout``) and of FSDP weights (``dtk.fsdp``)."""
+    update (``dtk.train.steps.update_layout``) and of FSDP weights (``dtk.parallel.fsdp``)."""
     dims = list(dims)
     if size > 1 and axis not in dims:
         for dim, n in enumerate(shape):
@@ -235,7 +236,7 @@ def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
 
 def _apply_fsdp(planned: list[WeightPlan], paths, sizes: dict[str, int], batch_axis: str,
                 warnings: list[str]) -> list[WeightPlan]:
-    """Stores the weights named in ``paths`` sharded over the batch axis too (see dtk.fsdp)."""
+    """Stores the weights named in ``paths`` sharded over the batch axis too (see dtk.parallel.fsdp)."""
     size = sizes.get(batch_axis, 1)
     out, kept = [], []
     for w in planned:
@@ -368,7 +369,7 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
         a mesh axis other than ``batch_axis`` that shards no weight (its devices would repeat
         the same work), unless the table lists it in ``replicated_axes``.
       batch_axis: the axis that shards the inputs.
-      fsdp_paths: weights to store sharded over ``batch_axis`` too (FSDP, see ``dtk.fsdp``);
+      fsdp_paths: weights to store sharded over ``batch_axis`` too (FSDP, see ``dtk.parallel.fsdp``);
         one with no dim the axis divides stays replicated over it, listed in the warnings.
 
     Raises:
@@ -546,7 +547,7 @@ def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_ker
 
 def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = None,
                      dtype="float32") -> tuple[tf_keras.Model, bool]:
-    """The model to plan from, and whether it is lazy (shapes only, see ``dtk.materialize``).
+    """The model to plan from, and whether it is lazy (shapes only, see ``dtk.parallel.materialize``).
 
     Lazy when the factory builds with lazy variables; otherwise (it needs real values while it
     builds, e.g. ``adapt()``) the plain build, which holds every weight on this host.
@@ -594,16 +595,16 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     values one weight at a time in the plain build's order, so the initial weights equal
     ``set_random_seed(seed); model_factory()`` on one device exactly (the parity tests rely on
     it). Each client sends only its own shards to its devices: at most one full weight is on a
-    host at a time (``dtk.materialize``; a factory that needs real values while it builds, such
+    host at a time (``dtk.parallel.materialize``; a factory that needs real values while it builds, such
     as ``adapt()``, gets a plain build instead, with an info line).
 
     ``fsdp=True`` stores every trainable weight sharded over the batch axis too and gathers it
-    for compute inside dtk's steps (``dtk.fsdp``).
+    for compute inside dtk's steps (``dtk.parallel.fsdp``).
 
     DTensor settings dtk applies (see ``explain``): ``LayerNormalization`` and
     ``BatchNormalization`` run unfused (DTensor's fused kernel has no layout propagation;
     batch statistics are then computed over the global batch, as on one device); Dropout and other
-    random layers draw from ``dtk.randomness`` in dtk's train steps: the same values on every
+    random layers draw from ``dtk.parallel.randomness`` in dtk's train steps: the same values on every
     mesh, keyed by (seed, step, layer, global index).
 
     Subclassed models (weights created on the first call) need ``input_shape``: dtk builds the
@@ -663,7 +664,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # Under a layout scope, initializers run in another order than in a plain build (layer by
     # layer, attributes sorted), which changes the random draws of some layers (e.g. attention).
     # The reference's values (drawn in the plain build's order, one weight at a time when it is
-    # lazy: dtk.materialize) make the initial weights exactly the single-device ones.
+    # lazy: dtk.parallel.materialize) make the initial weights exactly the single-device ones.
     # Matched by path, not by position: the two builds may list weights in another order.
     targets = dict(weight_paths(model))
     sources = weight_paths(reference)
@@ -755,7 +756,7 @@ def _bind_metrics(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
 def _optimizer_config(optimizer) -> dict[str, Any]:
     """The optimizer's config, with its learning rate as the factory set it.
 
-    The reference model is built with lazy variables (``dtk.materialize``), and so is the
+    The reference model is built with lazy variables (``dtk.parallel.materialize``), and so is the
     optimizer its factory compiled: its learning-rate variable has no storage, and ``get_config``
     reads it as an empty array, which a rebuilt optimizer then multiplies into every update
     ("Dimensions must be equal, but are 32 and 0"). The variable's initial value is the rate.
@@ -999,7 +1000,7 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
 
     ``optimizer_slots``: state tensors per weight (Adam/AdamW: 2, SGD with momentum: 1). With
     ``shard_optimizer_state`` the state of a weight with a dim divisible by the batch axis is
-    split over it too (see ``dtk.steps.update_layout``); the sharded update also keeps a float32
+    split over it too (see ``dtk.train.steps.update_layout``); the sharded update also keeps a float32
     copy of each weight laid out like its state.
     """
     sizes = dict(plan.mesh_axes)

@@ -1,7 +1,7 @@
 """Compiled train, eval and predict steps: the inner loop, correct on any mesh by construction.
 
 Every step takes a batch ``(features, labels, weights)`` of DTensors, batch-sharded on the batch
-axis, where ``weights`` is 1.0 for a real example and 0.0 for padding (``dtk.input`` pads the last
+axis, where ``weights`` is 1.0 for a real example and 0.0 for padding (``dtk.data.input`` pads the last
 evaluation batch). The loss is normalized by the GLOBAL number of real examples::
 
     loss = sum_i(w_i * l_i) / sum_i(w_i)          (sums over the whole global batch)
@@ -37,10 +37,10 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk import fsdp, materialize, randomness, remat
-from dtk.layouts import shard_over_axis
-from dtk.mesh import BATCH_AXIS, as_mesh, check_batch_axis
-from dtk.optimizers import make_loss, make_metrics, make_optimizer
+from dtk.parallel import fsdp, materialize, randomness, remat
+from dtk.parallel.layouts import shard_over_axis
+from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
+from dtk.train.optimizers import make_loss, make_metrics, make_optimizer
 
 _log = logging.getLogger("dtk")
 
@@ -70,7 +70,7 @@ class StepConfig:
         moves between devices. BatchNormalization then normalizes over microbatches (as in
         every framework). Each device's share of the batch must be divisible by k.
       remat: regular expressions naming layers whose activations are recomputed in the
-        backward pass (``dtk.remat``); () for none.
+        backward pass (``dtk.parallel.remat``); () for none.
     """
 
     jit_compile: bool = False
@@ -227,7 +227,7 @@ def overridden_steps(model: tf_keras.Model) -> tuple[str, ...]:
 
 def _keras_loss(loss: Any) -> Any:
     """A loss for ``Model.compile`` with dtk's meaning (dtk's names are logit losses)."""
-    from dtk.optimizers import LOSSES  # pylint: disable=g-import-not-at-top
+    from dtk.train.optimizers import LOSSES  # pylint: disable=g-import-not-at-top
     if isinstance(loss, str) and loss.strip().lower() in LOSSES:
         return LOSSES[loss.strip().lower()]()
     return loss
@@ -301,7 +301,7 @@ class Steps:
         # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
         self.optimizer.build(self._masters or [getattr(v, "_variable", v)
                                                for v in model.trainable_variables])
-        materialize.release_free_memory()  # what building the state freed (dtk.materialize)
+        materialize.release_free_memory()  # what building the state freed (dtk.parallel.materialize)
         train_body = self._custom_train_body if "train_step" in self.custom else self._train_body
         self._train_one = self._compile(train_body, "train", stacked=False)
         self._train_many = self._compile(train_body, "train", stacked=True)
@@ -396,8 +396,8 @@ class Steps:
         features, labels, weights = batch
         with tf.GradientTape() as tape:
             # Random layers draw for this step (the counter before its update): the same masks
-            # on every mesh, and again after a resume (dtk.randomness). FSDP weights are read
-            # gathered (dtk.fsdp).
+            # on every mesh, and again after a resume (dtk.parallel.randomness). FSDP weights are read
+            # gathered (dtk.parallel.fsdp).
             with fsdp.gather_scope(), fsdp.recording() as gathered:
                 predictions = self.model(features, training=True)
             self._warn_uncovered_random_ops()
@@ -489,7 +489,7 @@ class Steps:
         return out[1], list(out[3:]), out[2]
 
     def _warn_uncovered_random_ops(self):
-        # Once per Steps: random ops of the forward pass that dtk.randomness did not build (a
+        # Once per Steps: random ops of the forward pass that dtk.parallel.randomness did not build (a
         # layer calling tf.random.* itself) draw per device, so their values depend on the mesh.
         if self._random_ops_checked:
             return
@@ -498,7 +498,7 @@ class Steps:
         if found:
             where = "; ".join(f"{scope} ({', '.join(types)})" for scope, types in found.items())
             _log.warning(
-                "random ops not covered by dtk.randomness: %s. Their values depend on the mesh "
+                "random ops not covered by dtk.parallel.randomness: %s. Their values depend on the mesh "
                 "(each device draws with its own seed), so training with them does not match one "
                 "device; draw through the layer's self._random_generator (a tf_keras "
                 "BaseRandomLayer) to get mesh-independent values", where)

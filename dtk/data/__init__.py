@@ -1,0 +1,5 @@
+"""Data into batch-sharded DTensors: the input pipeline (``input``), MNIST (with a bundled sample
+in ``mnist_sample/``) and the text corpus for the language model (``text``).
+
+Builds on ``dtk.parallel`` (the mesh and its batch axis).
+"""
