@@ -140,7 +140,7 @@ def _setup():
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
-    dtk.train.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1

@@ -170,7 +170,7 @@ def run() -> dict:
     factory = model_spec.factory
 
     optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
-    dtk.train.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     if FLAGS.explain_layouts or FLAGS.device_memory_gb:
         plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                     fsdp=FLAGS.fsdp)

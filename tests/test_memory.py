@@ -220,7 +220,7 @@ def test_accumulation_and_remat_bad_values():
     mesh = dtk.build_mesh("batch=8")
     with pytest.raises(ValueError, match=r"does not divide the per-device batch: global batch 32 "
                                          r"over mesh axis 'batch' \(size 8\) is 4 examples"):
-        dtk.train.steps.check_accumulation(32, mesh, 3)
+        dtk.steps.check_accumulation(32, mesh, 3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive integer"):
         dtk.TrainerConfig(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="tuple of layer-name patterns"):

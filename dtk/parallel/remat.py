@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 import tf_keras
 
-from dtk import fsdp, randomness
+from dtk.parallel import fsdp, randomness
 
 
 def matching_layers(model: tf_keras.Model, patterns: Sequence[str]) -> list[tf_keras.layers.Layer]:

@@ -542,10 +542,12 @@ class Steps:
 
         def many(stack):
             self.trace_counts[name] += 1
-            n = tf.shape(stack[1])[0]
+            n = tf.shape(tf.nest.flatten(stack[1])[0])[0]
 
             def step(i, loss):  # pylint: disable=unused-argument
-                return i + 1, body(tuple(tf.gather(t, i) for t in stack))
+                # features and labels may be nests (a dict of inputs, several outputs)
+                return i + 1, body(tuple(tf.nest.map_structure(lambda t: tf.gather(t, i), part)
+                                         for part in stack))
 
             _, loss = tf.while_loop(lambda i, _: i < n, step,
                                     (tf.zeros_like(n), _scalar_zero(mesh)),
