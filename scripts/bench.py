@@ -51,6 +51,11 @@ WORKLOADS = {
                    "dropout": 0.1},
     "lm_dropout_keras": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2,
                          "steps": 12, "dropout": 0.1, "keras_rng": True},
+    # Issue 43's recommender (dtk.models.dlrm, dim 16, global batch 1024, Adam): table0 at 2^16,
+    # 2^20 and 2^23 rows (the other tables 4096, 256, 16), row-sharded (layouts/recsys*.toml).
+    "recsys16": {"rows": 1 << 16, "batch": 1024, "steps": 20},
+    "recsys20": {"rows": 1 << 20, "batch": 1024, "steps": 10},
+    "recsys23": {"rows": 1 << 23, "batch": 1024, "steps": 6},
 }
 MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
           "dtk_batch1_model8": "batch=1,model=8", "dtk_batch4_model2_fsdp": "batch=4,model=2"}
@@ -184,6 +189,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     spec = WORKLOADS[workload]
     if workload.startswith("lm"):
         return _lm_worker(variant, workload, spec, steps)
+    if workload.startswith("recsys"):
+        return _recsys_worker(variant, workload, spec, steps)
     batch, hidden = spec["batch"], spec["hidden"]
     spe = 10 if "_spe" in variant else 32 if variant == "dtk_default" else 1
     rng = np.random.default_rng(0)
@@ -305,6 +312,59 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     ms = statistics.median(times)
     return {"variant": variant, "workload": workload, "ms_per_step": ms, "first_step_s": first,
             "timed_steps": len(times), "tokens_per_s": round(batch * seq / ms * 1000)}
+
+
+def _recsys_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
+    """The recommender: the plain single-device step (floor: tf_keras, Adam, one device) or dtk
+    Steps with its largest tables row-sharded (``dtk_batch4_model2``: over model; ``dtk_batch8``:
+    over batch, ``recsys_batch_rows``). Every update is dense (issue 43: sparse row updates are not
+    implemented), so the step reads and writes every row of the tables and their Adam slots."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.data import clicks  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    tables = {"dtk_batch4_model2": ("batch=4,model=2", "recsys"),
+              "dtk_batch8": ("batch=8", "recsys_batch_rows")}
+    if variant != "floor" and variant not in tables:
+        raise SystemExit(f"variant {variant} does not apply to the {workload} workload")
+    sizes = (spec["rows"], 4096, 256, 16)
+    log = clicks.ClickLog(clicks.ClickLogConfig(table_sizes=sizes))
+    features, labels, _ = log.chunk("train", 0, spec["batch"])
+    factory = lambda: models.dlrm(table_sizes=sizes, dim=16)  # noqa: E731
+    if variant != "floor":
+        _devices(dtk)
+    tf_keras.utils.set_random_seed(0)
+    start = time.perf_counter()
+    if variant == "floor":
+        model, opt = factory(), tf_keras.optimizers.Adam()
+        loss_obj = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+        fb, yb = tf.nest.map_structure(tf.constant, features), tf.constant(labels)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = loss_obj(yb, model(fb, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+
+        first, times = _timed(step, steps)
+    else:
+        mesh_spec, table = tables[variant]
+        mesh = _mesh(dtk, mesh_spec)
+        model, _ = layouts.build_model(factory, mesh, table, seed=0)
+        steps_obj = dtk.Steps(model, loss="binary_crossentropy", optimizer="adam", mesh=mesh,
+                              config=dtk.StepConfig(shard_optimizer_state=False))
+        packed = input_lib.pack(mesh, (features, labels, np.ones(spec["batch"], np.float32)))
+        build_s = time.perf_counter() - start
+        first, times = _timed(lambda: steps_obj.train(packed), steps)
+        first += build_s
+    return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
+            "first_step_s": first, "timed_steps": len(times), "table_rows": spec["rows"]}
 
 
 # -- breakdown (one process) ---------------------------------------------------------------------
