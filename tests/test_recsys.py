@@ -168,13 +168,53 @@ def _reference(opt_name):
     return np.array([float(step(f, y)) for f, y in _batches()])
 
 
-@pytest.mark.parametrize("spec, table, opt_name", [
-    ("batch=4,model=2", "recsys", "adagrad"),
-    pytest.param("batch=2,model=4", "recsys", "sgd", marks=pytest.mark.slow),
-    pytest.param("batch=8", "recsys_batch_rows", "adam", marks=pytest.mark.slow),
-    pytest.param("batch=8", "recsys_batch_rows", "adagrad", marks=pytest.mark.slow),
+@functools.lru_cache(maxsize=None)
+def _lazy_adam_reference():
+    """One device, plain TF: Keras Adam on the dense weights, lazy Adam on the tables (their
+    IndexedSlices gradients, repeated ids summed; untouched rows' moments do not decay)."""
+    tf_keras.utils.set_random_seed(7)
+    model = FACTORY()
+    opt = _optimizer("adam")
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+    tables = [model.get_layer(f"table{t}").embeddings for t in (0, 1)]
+    dense = [v for v in model.trainable_variables if all(v is not t for t in tables)]
+    moments = [(tf.Variable(tf.zeros_like(t)), tf.Variable(tf.zeros_like(t))) for t in tables]
+    b1, b2, eps, lr = 0.9, 0.999, 1e-7, 1e-2
+
+    @tf.function
+    def step(f, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(f, training=True))
+        grads = tape.gradient(loss, [*dense, *tables])
+        t = tf.cast(opt.iterations, tf.float32) + 1.0
+        alpha = lr * tf.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        for table, (m, v), g in zip(tables, moments, grads[len(dense):]):
+            rows, where = tf.unique(g.indices)
+            g = tf.math.unsorted_segment_sum(g.values, where, tf.shape(rows)[0])
+            m_new = tf.gather(m, rows) * b1 + (1 - b1) * g
+            v_new = tf.gather(v, rows) * b2 + (1 - b2) * g * g
+            m.scatter_update(tf.IndexedSlices(m_new, rows))
+            v.scatter_update(tf.IndexedSlices(v_new, rows))
+            table.scatter_sub(tf.IndexedSlices(alpha * m_new / (tf.sqrt(v_new) + eps), rows))
+        opt.apply_gradients(zip(grads[:len(dense)], dense))
+        return loss
+
+    return np.array([float(step(f, y)) for f, y in _batches()])
+
+
+@pytest.mark.parametrize("spec, table, opt_name, sparse", [
+    ("batch=4,model=2", "recsys", "adagrad", "auto"),
+    pytest.param("batch=2,model=4", "recsys", "sgd", "auto", marks=pytest.mark.slow),
+    pytest.param("batch=8", "recsys_batch_rows", "adam", "auto", marks=pytest.mark.slow),
+    pytest.param("batch=8", "recsys_batch_rows", "adagrad", "auto", marks=pytest.mark.slow),
+    ("batch=8", "recsys_batch_rows", "adam", True),
+    pytest.param("batch=4,model=2", "recsys", "adam", True, marks=pytest.mark.slow),
+    pytest.param("batch=4,model=2", "recsys", "sgd", False, marks=pytest.mark.slow),
 ])
-def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_name):
+def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_name, sparse):
+    """Row-sharded tables on every mesh against one device, 20 steps (1e-5): SGD and Adagrad
+    update only the touched rows by default (the same numbers as the dense update), Adam stays
+    dense unless asked, and lazy Adam (sparse_tables=True) matches a one-device lazy Adam."""
     mesh = dtk.build_mesh(spec)
     model, _ = layouts.build_model(FACTORY, mesh, table, seed=7)
     axis = "model" if "model" in spec else "batch"
@@ -182,11 +222,89 @@ def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_na
         assert dtensor.fetch_layout(model.get_layer(f"table{t}").embeddings).sharding_specs[0] == axis
     assert dtensor.fetch_layout(model.get_layer("table2").embeddings).sharding_specs[0] == "unsharded"
     steps = dtk.Steps(model, loss="binary_crossentropy", optimizer=_optimizer(opt_name, mesh),
-                      mesh=mesh, config=dtk.StepConfig(shard_optimizer_state=False))
+                      mesh=mesh, config=dtk.StepConfig(shard_optimizer_state=False,
+                                                       sparse_tables=sparse))
+    expect_sparse = sparse is True or (sparse == "auto" and opt_name != "adam")
+    assert (steps.sparse is not None) == expect_sparse
+    if expect_sparse:  # the model's optimizer holds no state for the tables; dtk's, sharded
+        assert [t.layer.name for t in steps.sparse.tables] == ["table0", "table1"]
+        assert not any(v.shape == (64, 8) or v.shape == (32, 8) for v in steps.optimizer.variables)
+        for t in steps.sparse.tables:
+            for slot in t.slots.values():
+                assert dtensor.fetch_layout(slot).sharding_specs[0] == axis
     losses = [float(steps.train(input_lib.pack(mesh, (f, y, np.ones(B, np.float32)))))
               for f, y in _batches()]
-    np.testing.assert_allclose(losses, _reference(opt_name), rtol=1e-5)
+    reference = _lazy_adam_reference() if sparse is True and opt_name == "adam" else \
+        _reference(opt_name)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("opt_name, sparse, first, second", [
+    ("adagrad", "auto", ("batch=4,model=2", "recsys"), ("batch=8", "recsys_batch_rows")),
+    pytest.param("adam", True, ("batch=8", "recsys_batch_rows"), ("batch=2,model=4", "recsys"),
+                 marks=pytest.mark.slow),
+])
+def test_sparse_table_state_resumes_onto_another_mesh(tmp_path, opt_name, sparse, first, second):
+    """10 steps on one mesh, a checkpoint, 10 more on another: the 20 losses of one device
+    (1e-5), so the tables' own optimizer state (Adagrad's accumulators, lazy Adam's moments) is
+    saved and restored with the checkpoint, re-laid out for the new mesh."""
+    features = {k: np.concatenate([f[k] for f, _ in _batches()]) for k in ("dense", "ids")}
+    labels = np.concatenate([y for _, y in _batches()])
+    losses = []
+    for epochs, (spec, table) in ((1, first), (2, second)):
+        mesh = dtk.build_mesh(spec)
+        data = input_lib.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((features, labels)).repeat(), mesh,
+            input_lib.InputConfig(global_batch_size=B, steps_per_epoch=N // 2))
+        trainer = dtk.Trainer(mesh=mesh, model=FACTORY, layout=table,
+                              optimizer=_optimizer(opt_name, mesh), loss="binary_crossentropy",
+                              config=dtk.TrainerConfig(
+                                  seed=7, verbose=0, checkpoint_dir=str(tmp_path / "ckpt"),
+                                  steps_per_execution=1, shard_optimizer_state=False,
+                                  sparse_tables=sparse, allow_change=("mesh",)))
+        assert trainer.steps.sparse is not None
+        losses = trainer.fit(data, epochs=epochs).history["loss"]
+    reference = _lazy_adam_reference() if opt_name == "adam" else _reference(opt_name)
+    np.testing.assert_allclose(losses, [reference[:N // 2].mean(), reference[N // 2:].mean()],
+                               rtol=1e-5)
+
+
+def test_lazy_adam_is_not_adam():
+    """The lazy Adam reference differs from Adam's (untouched rows' moments do not decay), so
+    the parity above tells the two apart."""
+    assert np.max(np.abs(_lazy_adam_reference() - _reference("adam"))) > 1e-4
+
+
+@pytest.mark.parametrize("optimizer, config, message", [
+    (lambda m: tf_keras.optimizers.SGD(0.1, momentum=0.9, mesh=m), {"sparse_tables": True},
+     "sparse_tables=True: SGD with momentum moves untouched rows too"),
+    (lambda m: tf_keras.optimizers.RMSprop(0.1, mesh=m), {"sparse_tables": True},
+     "sparse_tables=True: RMSprop has no sparse row update in dtk"),
+    (lambda m: tf_keras.optimizers.Adagrad(0.1, global_clipnorm=1.0, mesh=m),
+     {"sparse_tables": True}, "its global_clipnorm would need the tables' gradients at full size"),
+    (lambda m: tf_keras.optimizers.Adagrad(0.1, mesh=m),
+     {"sparse_tables": True, "gradient_accumulation_steps": 2}, "gradient accumulation"),
+    (lambda m: tf_keras.optimizers.Adagrad(0.1, mesh=m), {"sparse_tables": "yes"},
+     "sparse_tables must be True, False or 'auto'; got 'yes'"),
+])
+def test_a_sparse_update_that_cannot_be_had_is_one_value_error(optimizer, config, message):
+    mesh = dtk.build_mesh("batch=4,model=2")
+    with pytest.raises(ValueError, match=message):
+        model, _ = layouts.build_model(FACTORY, mesh, "recsys", seed=7)
+        dtk.Steps(model, loss="binary_crossentropy", optimizer=optimizer(mesh), mesh=mesh,
+                  config=dtk.StepConfig(**config))
+
+
+def test_the_dense_update_says_why_and_what_it_costs(caplog):
+    mesh = dtk.build_mesh("batch=4,model=2")
+    model, _ = layouts.build_model(FACTORY, mesh, "recsys", seed=7)
+    with caplog.at_level("WARNING", logger="dtk"):
+        dtk.Steps(model, loss="binary_crossentropy", mesh=mesh,
+                  optimizer=tf_keras.optimizers.SGD(0.1, momentum=0.9, mesh=mesh))
+    assert ("Embedding 'table0': its table [64, 8] is sharded on its rows over axis 'model' (2 "
+            "blocks); its gradient and optimizer update are dense (SGD with momentum moves "
+            "untouched rows too)") in caplog.text
 
 
 def test_dict_features_run_several_steps_per_call_like_one_step_per_call():

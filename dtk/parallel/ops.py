@@ -455,16 +455,6 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             layer._dtk_table_layout = layout  # pylint: disable=protected-access
             layer._dtk_batch_axis = batch_axis  # pylint: disable=protected-access
             layer.call = types.MethodType(_row_sharded_embedding_call, layer)
-            rows, dim = layer.embeddings.shape
-            shards = layout.mesh.dim_size(layout.sharding_specs[0])
-            block = rows // shards * dim * layer.embeddings.dtype.size / 2 ** 20
-            _log.warning(
-                "Embedding %r: its table [%d, %d] is sharded on its rows over axis %r (%d "
-                "blocks); its gradient and optimizer update are dense: every step reads and "
-                "writes all %d rows of each device's block (%.1f MiB of weights, and the "
-                "optimizer's slots as much again each) whatever ids the batch holds. Sparse "
-                "row updates are not implemented yet", layer.name, rows, dim,
-                layout.sharding_specs[0], shards, rows // shards, block)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it
@@ -481,6 +471,21 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
                 else "run with dtk's DTensor-compatible equivalent (same values and gradients)")
         lines.append(f"{kind} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: {what}")
     return lines
+
+
+def warn_dense_table_update(layer: tf_keras.layers.Embedding, why: str) -> None:
+    """Says what a dense update of a row-sharded table costs (``dtk.train.sparse`` avoids it)."""
+    layout = layer._dtk_table_layout  # pylint: disable=protected-access
+    rows, dim = layer.embeddings.shape
+    shards = layout.mesh.dim_size(layout.sharding_specs[0])
+    block = rows // shards * dim * layer.embeddings.dtype.size / 2 ** 20
+    _log.warning(
+        "Embedding %r: its table [%d, %d] is sharded on its rows over axis %r (%d blocks); its "
+        "gradient and optimizer update are dense (%s): every step reads and writes all %d rows "
+        "of each device's block (%.1f MiB of weights, and the optimizer's slots as much again "
+        "each) whatever ids the batch holds. Sparse row updates: SGD without momentum or "
+        "Adagrad (by default), Adam as lazy Adam (StepConfig(sparse_tables=True))",
+        layer.name, rows, dim, layout.sharding_specs[0], shards, why, rows // shards, block)
 
 
 def row_sharded_table(layer: tf_keras.layers.Embedding) -> dtensor.Layout | None:
@@ -553,6 +558,8 @@ def _row_sharded_embedding_call(self, inputs):
         inputs = tf.cast(inputs, tf.int32)
     layout = self._dtk_table_layout  # pylint: disable=protected-access
     out = row_sharded_lookup(self.embeddings, inputs, layout, self._dtk_batch_axis)  # pylint: disable=protected-access
+    if getattr(self, "_dtk_sparse", False):  # dtk.train.sparse differentiates w.r.t. the output
+        self._dtk_lookups.append((inputs, out))  # pylint: disable=protected-access
     if self._dtype_policy.compute_dtype != self._dtype_policy.variable_dtype:  # pylint: disable=protected-access
         out = tf.cast(out, self._dtype_policy.compute_dtype)  # pylint: disable=protected-access
     return out

@@ -37,9 +37,10 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.parallel import fsdp, materialize, randomness, remat
+from dtk.parallel import fsdp, materialize, ops, randomness, remat
 from dtk.parallel.layouts import shard_over_axis
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
+from dtk.train import sparse as sparse_lib
 from dtk.train.optimizers import make_loss, make_metrics, make_optimizer
 
 _log = logging.getLogger("dtk")
@@ -71,6 +72,11 @@ class StepConfig:
         every framework). Each device's share of the batch must be divisible by k.
       remat: regular expressions naming layers whose activations are recomputed in the
         backward pass (``dtk.parallel.remat``); () for none.
+      sparse_tables: how Embedding tables sharded on their rows are updated (``dtk.train.sparse``):
+        ``"auto"`` (the default) updates only the rows a step touched where that gives the
+        dense update's numbers (SGD without momentum, Adagrad); True also turns Adam into lazy
+        Adam (other numbers, TorchRec's choice) and refuses optimizers with no sparse update;
+        False updates every row (the gradient at full size).
     """
 
     jit_compile: bool = False
@@ -79,6 +85,7 @@ class StepConfig:
     batch_axis: str = BATCH_AXIS
     gradient_accumulation_steps: int = 1
     remat: tuple[str, ...] = ()
+    sparse_tables: bool | str = "auto"
 
     def __post_init__(self):
         k = self.gradient_accumulation_steps
@@ -90,6 +97,9 @@ class StepConfig:
         if self.shard_optimizer_state not in (True, False, "auto"):
             raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
                              f"{self.shard_optimizer_state!r}")
+        if self.sparse_tables not in (True, False, "auto"):
+            raise ValueError(f"sparse_tables must be True, False or 'auto'; got "
+                             f"{self.sparse_tables!r}")
         if not isinstance(self.steps_per_execution, int) or self.steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got "
                              f"{self.steps_per_execution!r}")
@@ -280,6 +290,14 @@ class Steps:
         self._last_custom = False
         if self.custom:
             self._prepare_custom_steps(loss, config)
+        self.sparse, why_dense = sparse_lib.choose(
+            model, self.optimizer, config.sparse_tables, batch_axis=config.batch_axis,
+            accumulation=config.gradient_accumulation_steps, custom_step="train_step" in self.custom)
+        for layer in sparse_lib.tables_of(model) if self.sparse is None else ():
+            ops.warn_dense_table_update(layer, why_dense)
+        # What the model's optimizer updates: every trainable weight but the sparse tables.
+        self._dense_variables = [v for v in model.trainable_variables
+                                 if self.sparse is None or not self.sparse.is_table(v)]
         shard = config.shard_optimizer_state
         if any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
                for v in model.trainable_variables) or "train_step" in self.custom:
@@ -287,10 +305,10 @@ class Steps:
             # train_step applies its gradients itself, to the model's variables.
             shard = False
         elif shard == "auto":
-            shard = auto_shard_optimizer_state(model.trainable_variables, mesh, config.batch_axis)
+            shard = auto_shard_optimizer_state(self._dense_variables, mesh, config.batch_axis)
         self.shard_optimizer_state = shard
         if shard:
-            variables = model.trainable_variables
+            variables = self._dense_variables
             self._model_layouts = [dtensor.fetch_layout(v) for v in variables]
             self._master_layouts = [update_layout(v, mesh, config.batch_axis) for v in variables]
             self._masters = [
@@ -300,7 +318,7 @@ class Steps:
         # Build optimizer slots eagerly so checkpoints can restore them before the first step.
         # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
         self.optimizer.build(self._masters or [getattr(v, "_variable", v)
-                                               for v in model.trainable_variables])
+                                               for v in self._dense_variables])
         materialize.release_free_memory()  # what building the state freed (dtk.parallel.materialize)
         train_body = self._custom_train_body if "train_step" in self.custom else self._train_body
         self._train_one = self._compile(train_body, "train", stacked=False)
@@ -394,6 +412,8 @@ class Steps:
         (regularization, ``add_loss``; scaled by ``extra_losses_scale``), which Keras adds to
         the loss it reports."""
         features, labels, weights = batch
+        if self.sparse is not None:
+            self.sparse.start_recording()
         with tf.GradientTape() as tape:
             # Random layers draw for this step (the counter before its update): the same masks
             # on every mesh, and again after a resume (dtk.parallel.randomness). FSDP weights are read
@@ -406,7 +426,13 @@ class Steps:
             penalty = self._model_losses() * extra_losses_scale
             loss = loss + penalty
         mark = fsdp.graph_mark() if gathered else 0
-        grads = tape.gradient(loss, variables)
+        if self.sparse is not None:  # the tables' gradients as rows: w.r.t. their lookups' outputs
+            recorded = self.sparse.lookups()
+            grads = tape.gradient(loss, [*variables, *self.sparse.outputs(recorded)])
+            grads, row_grads = grads[:len(variables)], grads[len(variables):]
+            self._sparse_pending = (recorded, row_grads)
+        else:
+            grads = tape.gradient(loss, variables)
         if gathered:  # FSDP: the backward pass gathers again rather than hold the forward's
             grads = fsdp.own_buffers(grads, variables, gathered)
             fsdp.regather_for_backward(gathered, mark, {id(v): g for v, g in zip(variables, grads)})
@@ -423,7 +449,7 @@ class Steps:
 
     def _train_body(self, batch):
         features, labels, weights = batch
-        variables = self.model.trainable_variables
+        variables = self._dense_variables
         count = tf.reduce_sum(weights)
         k = self.config.gradient_accumulation_steps
         with randomness.step_scope(self.optimizer.iterations.read_value()):
@@ -437,6 +463,8 @@ class Steps:
         loss = self._normalized(total, count) + penalty
 
         def update():
+            if self.sparse is not None:  # first: lazy Adam reads the step before its increment
+                self.sparse.apply(*self._sparse_pending)
             if self._masters is None:
                 self.optimizer.apply_gradients(zip(grads, variables))
             else:
@@ -514,7 +542,7 @@ class Steps:
 
     def sync_update_state(self) -> None:
         """Copies the model's weights into the sharded update copies (after restoring weights)."""
-        for master, variable, layout in zip(self._masters or (), self.model.trainable_variables,
+        for master, variable, layout in zip(self._masters or (), self._dense_variables,
                                             self._master_layouts if self._masters else ()):
             master.assign(dtensor.relayout(variable.read_value(), layout))
 

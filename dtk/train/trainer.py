@@ -124,6 +124,8 @@ class TrainerConfig:
         Measured on the LM (dim 512, 4 blocks, 148 MiB per checkpoint, ``batch=8``): training
         stalls 1.1 s per save instead of 3.6 s (``scripts/bench_checkpoint.py``). False writes
         each checkpoint before the next step (no host copy of the state).
+      sparse_tables: how tables sharded on their rows are updated (see ``dtk.StepConfig``):
+        ``"auto"``, True (Adam as lazy Adam too) or False (dense).
     """
 
     seed: int = 0
@@ -144,6 +146,7 @@ class TrainerConfig:
     remat: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
     async_checkpoints: bool = True
+    sparse_tables: bool | str = "auto"
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
@@ -153,7 +156,7 @@ class TrainerConfig:
                           shard_optimizer_state=self.shard_optimizer_state,
                           batch_axis=self.batch_axis,
                           gradient_accumulation_steps=self.gradient_accumulation_steps,
-                          remat=tuple(self.remat))
+                          remat=tuple(self.remat), sparse_tables=self.sparse_tables)
 
     def __post_init__(self):
         spe = self.steps_per_execution

@@ -1,0 +1,261 @@
+"""Sparse row updates of embedding tables sharded on their rows: only the rows a step touched.
+
+A recommender's tables are most of its weights, and a step looks up a few thousand of their
+millions of rows. A dense update (the gradient as a full table, the optimizer over every row and
+every slot) costs time and memory in proportion to the table; TorchRec's fused optimizers update
+only the touched rows. dtk does the same for tables sharded on their rows (``dtk.parallel.ops``
+looks them up block by block):
+
+* The gradient reaches the update as ``[n, dim]`` rows (n ids of the global batch), never at full
+  size: the step differentiates the loss with respect to each lookup's output, not the table.
+* The ids and their gradient rows are all-gathered over the batch axis (``n x dim``), sorted, and
+  the rows of repeated ids summed (static shapes: DTensor lays out no dynamic ``tf.unique``).
+* Each touched row's optimizer state is read block by block (one all-reduce of ``[n, dim]`` over
+  the rows' axis), the new values computed, and written back with one ``tensor_scatter_nd_add``
+  per variable, which DTensor runs on each device's own block (the scatter copies the block: a
+  memory copy of the table's shard, no arithmetic over it).
+
+The optimizers, with the table's own hyperparameters taken from the model's optimizer:
+
+* ``SGD`` (no momentum): ``row -= lr * g``. The same numbers as the dense update.
+* ``Adagrad``: ``acc += g^2; row -= lr * g / sqrt(acc + epsilon)``, as tf_keras's sparse Adagrad.
+  The same numbers as the dense update (an untouched row's gradient is zero there too).
+* ``Adam`` becomes lazy Adam (TorchRec's and TensorFlow Addons' choice): a touched row's moments
+  and weights are updated with the global step's bias correction; an untouched row's moments do
+  not decay. Not the numbers of dense Adam, which moves every row with an old gradient every
+  step: asked for explicitly (``StepConfig(sparse_tables=True)``), never by default.
+
+``StepConfig(sparse_tables="auto")`` (the default) updates row-sharded tables sparsely where the
+numbers equal the dense update (SGD without momentum, Adagrad; no clipping, weight decay or EMA);
+other optimizers keep the dense update, which dtk warns about with its cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk.parallel import ops
+
+_log = logging.getLogger("dtk")
+
+KINDS = ("sgd", "adagrad", "lazy_adam")
+
+
+def optimizer_kind(optimizer) -> tuple[str | None, str]:
+    """The sparse update that equals (or, for Adam, replaces) ``optimizer``'s, and why not if None.
+
+    Returns:
+      ``(kind, reason)``: kind in ``KINDS`` or None, with the reason a sparse update cannot serve.
+    """
+    options = [name for name in ("clipnorm", "clipvalue", "global_clipnorm")
+               if getattr(optimizer, name, None)]
+    if getattr(optimizer, "weight_decay", None):
+        options.append("weight_decay")
+    if getattr(optimizer, "use_ema", False):
+        options.append("use_ema")
+    if options:
+        return None, f"its {', '.join(options)} would need the tables' gradients at full size"
+    opt = tf_keras.optimizers
+    if type(optimizer) is opt.SGD:  # pylint: disable=unidiomatic-typecheck
+        if getattr(optimizer, "momentum", 0.0) or getattr(optimizer, "nesterov", False):
+            return None, "SGD with momentum moves untouched rows too"
+        return "sgd", ""
+    if type(optimizer) is opt.Adagrad:  # pylint: disable=unidiomatic-typecheck
+        return "adagrad", ""
+    if type(optimizer) is opt.Adam:  # pylint: disable=unidiomatic-typecheck
+        if getattr(optimizer, "amsgrad", False):
+            return None, "amsgrad keeps a running maximum for every row"
+        return "lazy_adam", ""
+    return None, (f"{type(optimizer).__name__} has no sparse row update in dtk (sparse updates: "
+                  "SGD without momentum, Adagrad, Adam as lazy Adam)")
+
+
+@dataclasses.dataclass
+class _Table:
+    layer: tf_keras.layers.Embedding
+    variable: tf.Variable  # the float32 table (under mixed precision, the AutoCastVariable's own)
+    layout: dtensor.Layout
+    slots: dict[str, tf.Variable]
+
+
+class SparseTables:
+    """The row-sharded tables of one model that a step updates sparsely, and their optimizer state.
+
+    The state variables have the table's layout (each device holds its rows' state) and are
+    attributes of the optimizer, so checkpoints save and restore them with it.
+    """
+
+    def __init__(self, model: tf_keras.Model, optimizer, kind: str, batch_axis: str):
+        if kind not in KINDS:
+            raise ValueError(f"sparse update kind must be one of {KINDS}; got {kind!r}")
+        self.kind = kind
+        self.optimizer = optimizer
+        self.batch_axis = batch_axis
+        self.tables: list[_Table] = []
+        slots = {}
+        for layer in tables_of(model):
+            variable = getattr(layer.embeddings, "_variable", layer.embeddings)
+            layout = dtensor.fetch_layout(variable)
+            own = {}
+            names = {"sgd": (), "adagrad": ("accumulator",), "lazy_adam": ("m", "v")}[kind]
+            for name in names:
+                init = (getattr(optimizer, "initial_accumulator_value", 0.1)
+                        if name == "accumulator" else 0.0)
+                value = dtensor.call_with_layout(tf.fill, layout, dims=variable.shape,
+                                                 value=tf.cast(init, variable.dtype))
+                own[name] = dtensor.DVariable(value, trainable=False,
+                                              name=f"{layer.name}_sparse_{name}")
+                slots[f"{layer.name}/{name}"] = own[name]
+            layer._dtk_sparse = True  # pylint: disable=protected-access  (ops records its lookups)
+            self.tables.append(_Table(layer=layer, variable=variable, layout=layout, slots=own))
+        # Tracked by the optimizer: tf.train.Checkpoint(optimizer=...) saves and restores them.
+        optimizer._dtk_sparse_table_slots = slots  # pylint: disable=protected-access
+        self.table_ids = {id(t.variable) for t in self.tables}
+
+    def is_table(self, variable) -> bool:
+        return id(getattr(variable, "_variable", variable)) in self.table_ids
+
+    def start_recording(self) -> None:
+        """Before the forward pass: each table's layer appends its (ids, output) pairs."""
+        for table in self.tables:
+            table.layer._dtk_lookups = []  # pylint: disable=protected-access
+
+    def lookups(self) -> list[tuple[tf.Tensor, tf.Tensor]]:
+        """After the forward pass: the (ids, output) pairs of every table, in table order."""
+        out = []
+        for table in self.tables:
+            pairs = table.layer._dtk_lookups  # pylint: disable=protected-access
+            if not pairs:
+                raise ValueError(
+                    f"Embedding {table.layer.name!r} was not called in the forward pass, so its "
+                    "sparse update has no rows; call every table, or pass "
+                    "StepConfig(sparse_tables=False)")
+            out.append(pairs)
+        return out
+
+    def outputs(self, recorded) -> list[tf.Tensor]:
+        return [o for pairs in recorded for _, o in pairs]
+
+    def apply(self, recorded, output_grads: Sequence[tf.Tensor]) -> None:
+        """Updates the touched rows of every table from the gradients of its lookups' outputs."""
+        grads = iter(output_grads)
+        step = tf.cast(self.optimizer.iterations, tf.float32) + 1.0
+        lr = self.optimizer._learning_rate  # pylint: disable=protected-access
+        if isinstance(lr, tf_keras.optimizers.schedules.LearningRateSchedule):
+            lr = lr(self.optimizer.iterations)
+        lr = tf.cast(lr, tf.float32)
+        for table, pairs in zip(self.tables, recorded):
+            ids, rows = [], []
+            for lookup_ids, _ in pairs:
+                g = next(grads)
+                if g is None:  # the table does not reach the loss
+                    g = tf.zeros([*lookup_ids.shape, table.variable.shape[1]], tf.float32)
+                ids.append(tf.reshape(lookup_ids, [-1]))
+                rows.append(tf.reshape(tf.cast(g, tf.float32), [-1, table.variable.shape[1]]))
+            self._update(table, tf.concat(ids, 0) if len(ids) > 1 else ids[0],
+                         tf.concat(rows, 0) if len(rows) > 1 else rows[0], lr, step)
+
+    def _update(self, table: _Table, ids, grads, lr, step) -> None:
+        mesh = table.layout.mesh
+        ids = dtensor.relayout(tf.cast(ids, tf.int32), dtensor.Layout.replicated(mesh, 1))
+        grads = dtensor.relayout(grads, dtensor.Layout.replicated(mesh, 2))
+        unique, summed, valid = _sum_repeated(ids, grads)
+        valid = valid[:, None]
+        index = unique[:, None]
+
+        def read(variable):
+            return ops.row_sharded_lookup(variable, unique, table.layout, None)
+
+        def add(variable, delta):
+            variable.assign(tf.tensor_scatter_nd_add(variable.read_value(), index, delta))
+
+        o = self.optimizer
+        if self.kind == "sgd":
+            add(table.variable, -lr * summed)
+        elif self.kind == "adagrad":
+            acc = table.slots["accumulator"]
+            squared = summed * summed
+            new_acc = read(acc) + squared
+            add(acc, squared)
+            add(table.variable, -lr * summed / tf.sqrt(new_acc + o.epsilon))
+        else:  # lazy Adam, tf_keras Adam's formula on the touched rows
+            b1, b2 = tf.cast(o.beta_1, tf.float32), tf.cast(o.beta_2, tf.float32)
+            m, v = table.slots["m"], table.slots["v"]
+            m_old, v_old = read(m), read(v)
+            m_new = m_old + (summed - m_old) * (1 - b1)
+            v_new = v_old + (summed * summed - v_old) * (1 - b2)
+            alpha = lr * tf.sqrt(1 - tf.pow(b2, step)) / (1 - tf.pow(b1, step))
+            zero = tf.zeros_like(m_new)
+            add(m, tf.where(valid, m_new - m_old, zero))
+            add(v, tf.where(valid, v_new - v_old, zero))
+            add(table.variable, tf.where(valid, -m_new * alpha / (tf.sqrt(v_new) + o.epsilon),
+                                         zero))
+
+
+def _sum_repeated(ids: tf.Tensor, grads: tf.Tensor):
+    """Sums the gradient rows of repeated ids, in static shapes.
+
+    Returns ``(unique [n], summed [n, dim], valid [n])``: the first ``u`` entries are the distinct
+    ids in ascending order with their summed rows; the rest are padding (id 0, zero rows,
+    ``valid`` False). Example: ids [7, 2, 7] give unique [2, 7, 0], summed [g1, g0 + g2, 0].
+    """
+    n = tf.shape(ids)[0]
+    order = tf.argsort(ids, stable=True)
+    sorted_ids = tf.gather(ids, order)
+    starts = tf.concat([tf.ones([1], tf.int32),
+                        tf.cast(sorted_ids[1:] != sorted_ids[:-1], tf.int32)], 0)
+    segment = tf.cumsum(starts) - 1
+    summed = tf.math.unsorted_segment_sum(tf.gather(grads, order), segment, n)
+    count = segment[-1] + 1
+    valid = tf.range(n) < count
+    # each segment's id, from its first entry (DTensor lays out no UnsortedSegmentMax)
+    unique = tf.math.unsorted_segment_sum(sorted_ids * starts, segment, n)
+    return unique, summed, valid
+
+
+def tables_of(model: tf_keras.Model) -> list[tf_keras.layers.Embedding]:
+    """The model's Embedding layers whose tables are sharded on their rows (looked up by dtk)."""
+    return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+            if isinstance(layer, tf_keras.layers.Embedding)
+            and getattr(layer, "_dtk_table_layout", None) is not None]
+
+
+def choose(model: tf_keras.Model, optimizer, mode, *, batch_axis: str, accumulation: int = 1,
+           custom_step: bool = False) -> tuple[SparseTables | None, str]:
+    """The sparse tables of ``model`` under ``StepConfig.sparse_tables`` (``mode``), or None with
+    the reason the tables are updated dense.
+
+    ``"auto"``: sparse where it gives the dense update's numbers (SGD without momentum, Adagrad);
+    True: sparse for SGD, Adagrad and Adam (as lazy Adam), refused otherwise; False: dense.
+
+    Raises:
+      ValueError: ``mode=True`` with an optimizer, option or step that has no sparse update.
+    """
+    if mode is False or not tables_of(model):
+        return None, "sparse_tables=False"
+    kind, reason = optimizer_kind(optimizer)
+    blockers = [why for why, on in (
+        ("gradient accumulation (gradient_accumulation_steps > 1)", accumulation > 1),
+        ("the model's own train_step", custom_step)) if on]
+    if mode is True:
+        if kind is None or blockers:
+            raise ValueError(
+                f"sparse_tables=True: {reason or blockers[0]}. Sparse row updates serve SGD "
+                "without momentum, Adagrad and Adam (as lazy Adam), without clipping, weight "
+                "decay, EMA or accumulation; change the optimizer, or pass sparse_tables=False "
+                "for the dense update")
+    elif kind is None or blockers:
+        return None, reason or blockers[0]
+    elif kind == "lazy_adam":
+        return None, ("Adam's sparse update is lazy Adam, whose numbers differ from Adam's; ask "
+                      "for it with StepConfig(sparse_tables=True)")
+    tables = SparseTables(model, optimizer, kind, batch_axis)
+    names = ", ".join(t.layer.name for t in tables.tables)
+    _log.info("sparse row updates (%s) for the tables sharded on their rows: %s", kind, names)
+    return tables, ""
