@@ -75,6 +75,8 @@ VARIANTS = {
     "dtk_batch4_model2_fsdp": "dtk Steps, mesh batch=4,model=2, FSDP x model parallel",
     "dtk_batch8_fsdp_remat": "dtk Steps, mesh batch=8, FSDP + remat of the model's blocks",
     "dtk_batch8_remat": "dtk Steps, mesh batch=8, remat of the model's blocks (replicated update)",
+    "dtk_batch8_sparse": "recsys: dtk Steps, batch=8, tables row-sharded over batch, lazy Adam (sparse)",
+    "dtk_batch4_model2_sparse": "recsys: dtk Steps, batch=4,model=2, tables row-sharded over model, lazy Adam",
 }
 # Run by default; the rest with --variants (the whole default run stays under 10 minutes here).
 DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("dtk_batch8_zero_spe", "dtk_batch2_model4",
@@ -315,10 +317,11 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
 
 
 def _recsys_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
-    """The recommender: the plain single-device step (floor: tf_keras, Adam, one device) or dtk
+    """The recommender: the plain single-device step (floor: tf_keras Adam, one device) or dtk
     Steps with its largest tables row-sharded (``dtk_batch4_model2``: over model; ``dtk_batch8``:
-    over batch, ``recsys_batch_rows``). Every update is dense (issue 43: sparse row updates are not
-    implemented), so the step reads and writes every row of the tables and their Adam slots."""
+    over batch, ``recsys_batch_rows``). Adam's update is dense (every row of the tables and of
+    their slots, every step); ``_sparse`` variants update the touched rows only (lazy Adam,
+    ``dtk.train.sparse``)."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -329,7 +332,9 @@ def _recsys_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     tables = {"dtk_batch4_model2": ("batch=4,model=2", "recsys"),
               "dtk_batch8": ("batch=8", "recsys_batch_rows")}
-    if variant != "floor" and variant not in tables:
+    sparse = variant.endswith("_sparse")
+    variant_mesh = variant.removesuffix("_sparse")
+    if variant != "floor" and variant_mesh not in tables:
         raise SystemExit(f"variant {variant} does not apply to the {workload} workload")
     sizes = (spec["rows"], 4096, 256, 16)
     log = clicks.ClickLog(clicks.ClickLogConfig(table_sizes=sizes))
@@ -354,11 +359,12 @@ def _recsys_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
 
         first, times = _timed(step, steps)
     else:
-        mesh_spec, table = tables[variant]
+        mesh_spec, table = tables[variant_mesh]
         mesh = _mesh(dtk, mesh_spec)
         model, _ = layouts.build_model(factory, mesh, table, seed=0)
         steps_obj = dtk.Steps(model, loss="binary_crossentropy", optimizer="adam", mesh=mesh,
-                              config=dtk.StepConfig(shard_optimizer_state=False))
+                              config=dtk.StepConfig(shard_optimizer_state=False,
+                                                    sparse_tables=sparse))
         packed = input_lib.pack(mesh, (features, labels, np.ones(spec["batch"], np.float32)))
         build_s = time.perf_counter() - start
         first, times = _timed(lambda: steps_obj.train(packed), steps)

@@ -203,18 +203,19 @@ def _lazy_adam_reference():
 
 
 @pytest.mark.parametrize("spec, table, opt_name, sparse", [
-    ("batch=4,model=2", "recsys", "adagrad", "auto"),
-    pytest.param("batch=2,model=4", "recsys", "sgd", "auto", marks=pytest.mark.slow),
-    pytest.param("batch=8", "recsys_batch_rows", "adam", "auto", marks=pytest.mark.slow),
-    pytest.param("batch=8", "recsys_batch_rows", "adagrad", "auto", marks=pytest.mark.slow),
+    ("batch=4,model=2", "recsys", "adagrad", True),
+    pytest.param("batch=2,model=4", "recsys", "sgd", True, marks=pytest.mark.slow),
+    pytest.param("batch=8", "recsys_batch_rows", "adam", False, marks=pytest.mark.slow),
+    pytest.param("batch=8", "recsys_batch_rows", "adagrad", True, marks=pytest.mark.slow),
     ("batch=8", "recsys_batch_rows", "adam", True),
     pytest.param("batch=4,model=2", "recsys", "adam", True, marks=pytest.mark.slow),
     pytest.param("batch=4,model=2", "recsys", "sgd", False, marks=pytest.mark.slow),
+    pytest.param("batch=8", "recsys_batch_rows", "adagrad", False, marks=pytest.mark.slow),
 ])
 def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_name, sparse):
-    """Row-sharded tables on every mesh against one device, 20 steps (1e-5): SGD and Adagrad
-    update only the touched rows by default (the same numbers as the dense update), Adam stays
-    dense unless asked, and lazy Adam (sparse_tables=True) matches a one-device lazy Adam."""
+    """Row-sharded tables on every mesh against one device, 20 steps (1e-5), dense (the default)
+    and sparse: SGD and Adagrad updating only the touched rows give the dense update's numbers,
+    and lazy Adam (Adam with sparse_tables=True) matches a one-device lazy Adam."""
     mesh = dtk.build_mesh(spec)
     model, _ = layouts.build_model(FACTORY, mesh, table, seed=7)
     axis = "model" if "model" in spec else "batch"
@@ -224,7 +225,7 @@ def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_na
     steps = dtk.Steps(model, loss="binary_crossentropy", optimizer=_optimizer(opt_name, mesh),
                       mesh=mesh, config=dtk.StepConfig(shard_optimizer_state=False,
                                                        sparse_tables=sparse))
-    expect_sparse = sparse is True or (sparse == "auto" and opt_name != "adam")
+    expect_sparse = sparse
     assert (steps.sparse is not None) == expect_sparse
     if expect_sparse:  # the model's optimizer holds no state for the tables; dtk's, sharded
         assert [t.layer.name for t in steps.sparse.tables] == ["table0", "table1"]
@@ -241,7 +242,7 @@ def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_na
 
 
 @pytest.mark.parametrize("opt_name, sparse, first, second", [
-    ("adagrad", "auto", ("batch=4,model=2", "recsys"), ("batch=8", "recsys_batch_rows")),
+    ("adagrad", True, ("batch=4,model=2", "recsys"), ("batch=8", "recsys_batch_rows")),
     pytest.param("adam", True, ("batch=8", "recsys_batch_rows"), ("batch=2,model=4", "recsys"),
                  marks=pytest.mark.slow),
 ])
@@ -286,7 +287,7 @@ def test_lazy_adam_is_not_adam():
     (lambda m: tf_keras.optimizers.Adagrad(0.1, mesh=m),
      {"sparse_tables": True, "gradient_accumulation_steps": 2}, "gradient accumulation"),
     (lambda m: tf_keras.optimizers.Adagrad(0.1, mesh=m), {"sparse_tables": "yes"},
-     "sparse_tables must be True, False or 'auto'; got 'yes'"),
+     "sparse_tables must be True or False; got 'yes'"),
 ])
 def test_a_sparse_update_that_cannot_be_had_is_one_value_error(optimizer, config, message):
     mesh = dtk.build_mesh("batch=4,model=2")
@@ -303,8 +304,8 @@ def test_the_dense_update_says_why_and_what_it_costs(caplog):
         dtk.Steps(model, loss="binary_crossentropy", mesh=mesh,
                   optimizer=tf_keras.optimizers.SGD(0.1, momentum=0.9, mesh=mesh))
     assert ("Embedding 'table0': its table [64, 8] is sharded on its rows over axis 'model' (2 "
-            "blocks); its gradient and optimizer update are dense (SGD with momentum moves "
-            "untouched rows too)") in caplog.text
+            "blocks); its gradient and optimizer update are dense (the default; "
+            "StepConfig(sparse_tables=True) updates the touched rows only)") in caplog.text
 
 
 def test_dict_features_run_several_steps_per_call_like_one_step_per_call():

@@ -72,11 +72,11 @@ class StepConfig:
         every framework). Each device's share of the batch must be divisible by k.
       remat: regular expressions naming layers whose activations are recomputed in the
         backward pass (``dtk.parallel.remat``); () for none.
-      sparse_tables: how Embedding tables sharded on their rows are updated (``dtk.train.sparse``):
-        ``"auto"`` (the default) updates only the rows a step touched where that gives the
-        dense update's numbers (SGD without momentum, Adagrad); True also turns Adam into lazy
-        Adam (other numbers, TorchRec's choice) and refuses optimizers with no sparse update;
-        False updates every row (the gradient at full size).
+      sparse_tables: True updates only the rows a step touched of the Embedding tables sharded
+        on their rows (``dtk.train.sparse``): SGD and Adagrad with the dense update's numbers,
+        Adam as lazy Adam (TorchRec's choice, other numbers); other optimizers are refused.
+        False (the default, measured faster under DTensor, whose scatter gathers each table)
+        updates every row, as Keras does.
     """
 
     jit_compile: bool = False
@@ -85,7 +85,7 @@ class StepConfig:
     batch_axis: str = BATCH_AXIS
     gradient_accumulation_steps: int = 1
     remat: tuple[str, ...] = ()
-    sparse_tables: bool | str = "auto"
+    sparse_tables: bool = False
 
     def __post_init__(self):
         k = self.gradient_accumulation_steps
@@ -97,9 +97,8 @@ class StepConfig:
         if self.shard_optimizer_state not in (True, False, "auto"):
             raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
                              f"{self.shard_optimizer_state!r}")
-        if self.sparse_tables not in (True, False, "auto"):
-            raise ValueError(f"sparse_tables must be True, False or 'auto'; got "
-                             f"{self.sparse_tables!r}")
+        if not isinstance(self.sparse_tables, bool):
+            raise ValueError(f"sparse_tables must be True or False; got {self.sparse_tables!r}")
         if not isinstance(self.steps_per_execution, int) or self.steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got "
                              f"{self.steps_per_execution!r}")

@@ -124,8 +124,8 @@ class TrainerConfig:
         Measured on the LM (dim 512, 4 blocks, 148 MiB per checkpoint, ``batch=8``): training
         stalls 1.1 s per save instead of 3.6 s (``scripts/bench_checkpoint.py``). False writes
         each checkpoint before the next step (no host copy of the state).
-      sparse_tables: how tables sharded on their rows are updated (see ``dtk.StepConfig``):
-        ``"auto"``, True (Adam as lazy Adam too) or False (dense).
+      sparse_tables: True updates only the touched rows of tables sharded on their rows (see
+        ``dtk.StepConfig``); False (the default) every row.
     """
 
     seed: int = 0
@@ -146,7 +146,7 @@ class TrainerConfig:
     remat: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
     async_checkpoints: bool = True
-    sparse_tables: bool | str = "auto"
+    sparse_tables: bool = False
 
     def step_config(self) -> StepConfig:
         """The inner loop's options, derived (one source of truth for shared fields)."""
