@@ -355,6 +355,17 @@ def test_train_recsys_comes_within_0_02_of_the_best_auc_and_resumes_and_exports(
 
 
 @pytest.mark.slow
+def test_tables_four_times_a_device_budget_train_row_sharded_over_8_devices(tmp_path):
+    """Issue 43: tables and Adam state of 769 MiB against a budget of 192 MiB a device (4x): one
+    device is refused before any variable (the table above), 8 devices hold 1/8 each and train."""
+    s, res = _train_recsys(tmp_path, "big", "--table_sizes", "4194304,4096,256,16",
+                           "--device_memory_gb", "0.1875", "--train_examples", "8192",
+                           "--heldout_examples", "4096")
+    assert s["steps"] == 8 and s["train_loss"][0] < 0.7
+    assert "256.3 MiB in all, 32.1 MiB per device" in res.stdout
+
+
+@pytest.mark.slow
 def test_train_recsys_trains_on_two_clients_like_one(tmp_path):
     """Under the launcher, 2 clients x 4 devices give the losses of 1 client x 8 (1e-5)."""
     flags = ("--train_examples", "16384", "--heldout_examples", "4096", "--global_batch_size",
@@ -381,7 +392,14 @@ def test_train_recsys_trains_on_two_clients_like_one(tmp_path):
     (("--mesh", "auto"), "--mesh auto and --explain_plan do not plan recommenders yet"),
     (("--mesh", "model=8"), "--mesh model=8: it has no 'batch' axis"),
     (("--table_sizes", "101,4096,256,16"), "table0.embeddings"),
+    (("--mesh", "batch=1", "--virtual_devices", "8", "--table_sizes", "4194304,4096,256,16",
+      "--device_memory_gb", "0.1875"),
+     "does not fit the device memory budget on mesh batch=1: weights 256.3 MiB + optimizer state "
+     "512.6 MiB = 768.9 MiB per device > budget 192.0 MiB"),
+    (("--sparse_tables", "--optimizer", "sgd", "--learning_rate", "0.1", "--mesh", "batch=8",
+      "--grad_accum", "2"), "sparse_tables=True: gradient accumulation"),
 ])
+@pytest.mark.slow  # a process per row
 def test_train_recsys_bad_flags_are_one_error_line(flags, message):
     res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "train_recsys.py"), *flags],
                          capture_output=True, text=True, timeout=200, cwd=procs.REPO,
