@@ -16,6 +16,9 @@ from collections.abc import Callable
 
 import tf_keras
 
+from dtk.parallel import sequence
+from dtk.parallel.attention import BlockwiseAttention
+
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
@@ -151,6 +154,7 @@ class PositionEmbedding(tf_keras.layers.Layer):
 
 def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, heads: int = 4,
                    layers: int = 2, ff: int | None = None, dropout: float = 0.0,
+                   attention: str = "mha", block_size: int = 128,
                    name: str = "transformer_lm") -> tf_keras.Model:
     """A decoder-only (GPT-style) transformer over byte tokens: next-token logits ``[B, T, vocab]``.
 
@@ -158,8 +162,14 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
     self-attention and a GELU MLP (``ff`` = 4 * dim by default), a final layer norm and an output
     projection. Layer names (``embed``, ``pos``, ``block{i}_attn``, ``block{i}_ff1`` ...) are what
     ``layouts/transformer_lm.toml`` refers to. The logits are float32 under mixed precision.
+
+    ``attention="blockwise"`` computes attention ``block_size`` keys at a time
+    (``dtk.parallel.attention.BlockwiseAttention``: the same weights, memory linear in
+    ``seq_len``; no dropout on the attention probabilities, the residual dropout stays).
     """
     ff = ff or 4 * dim
+    if attention not in ("mha", "blockwise"):
+        raise ValueError(f"attention must be 'mha' or 'blockwise'; got {attention!r}")
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
     tokens = tf_keras.Input((seq_len,), dtype="int32", name="tokens")
@@ -167,16 +177,29 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
                                   embeddings_initializer=tf_keras.initializers.RandomNormal(
                                       stddev=0.02))(tokens)
     h = PositionEmbedding(seq_len, dim, name="pos")(h)
+    # The residual stream, sharded along the sequence where the mesh and table say so
+    # (dtk.parallel.sequence); identity layers elsewhere.
+    h = sequence.SequenceSharding(name="seq_in")(h)
     h = tf_keras.layers.Dropout(dropout, name="drop_in")(h)
     for i in range(layers):
         a = tf_keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln1")(h)
-        a = tf_keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout,
-                                               name=f"block{i}_attn")(a, a, use_causal_mask=True)
-        h = h + tf_keras.layers.Dropout(dropout, name=f"block{i}_drop1")(a)
+        kv = sequence.SequenceGather(name=f"block{i}_kv")(a)  # every key and value position
+        q = sequence.SequenceGather(megatron_only=True, name=f"block{i}_q")(a)
+        if attention == "blockwise":
+            attn = BlockwiseAttention(heads, dim // heads, block_size=min(block_size, seq_len),
+                                      name=f"block{i}_attn")
+        else:
+            attn = tf_keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout,
+                                                      name=f"block{i}_attn")
+        a = attn(q, kv, kv, use_causal_mask=True)
+        a = tf_keras.layers.Dropout(dropout, name=f"block{i}_drop1")(a)
+        h = sequence.SequenceSharding(name=f"block{i}_seq1")(h + a)
         f = tf_keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(h)
+        f = sequence.SequenceGather(megatron_only=True, name=f"block{i}_ffin")(f)
         f = tf_keras.layers.Dense(ff, activation="gelu", name=f"block{i}_ff1")(f)
         f = tf_keras.layers.Dense(dim, name=f"block{i}_ff2")(f)
-        h = h + tf_keras.layers.Dropout(dropout, name=f"block{i}_drop2")(f)
+        f = tf_keras.layers.Dropout(dropout, name=f"block{i}_drop2")(f)
+        h = sequence.SequenceSharding(name=f"block{i}_seq2")(h + f)
     h = tf_keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(h)
     logits = tf_keras.layers.Dense(vocab, name="head", dtype="float32")(h)
     return tf_keras.Model(tokens, logits, name=name)

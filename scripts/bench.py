@@ -51,6 +51,16 @@ WORKLOADS = {
                    "dropout": 0.1},
     "lm_dropout_keras": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2,
                          "steps": 12, "dropout": 0.1, "keras_rng": True},
+    # Issue 44's long sequences: the LM at T = 512 and T = 4096 (global batch 8 rows), tokens/s of
+    # sequence-sharded meshes against batch=8 and batch=2,model=4 (with and without Megatron's
+    # sequence parallelism).
+    "lm_t512": {"batch": 8, "seq_len": 512, "dim": 128, "heads": 8, "layers": 2, "steps": 5},
+    "lm_t4096": {"batch": 8, "seq_len": 4096, "dim": 64, "heads": 4, "layers": 1, "steps": 3},
+    # ... and with blockwise attention (dtk.parallel.attention, 128 keys a block)
+    "lm_t512_blockwise": {"batch": 8, "seq_len": 512, "dim": 128, "heads": 8, "layers": 2,
+                          "steps": 5, "attention": "blockwise"},
+    "lm_t4096_blockwise": {"batch": 8, "seq_len": 4096, "dim": 64, "heads": 4, "layers": 1,
+                           "steps": 3, "attention": "blockwise"},
     # Issue 43's recommender (dtk.models.dlrm, dim 16, global batch 1024, Adam): table0 at 2^16,
     # 2^20 and 2^23 rows (the other tables 4096, 256, 16), row-sharded (layouts/recsys*.toml).
     "recsys16": {"rows": 1 << 16, "batch": 1024, "steps": 20},
@@ -58,7 +68,9 @@ WORKLOADS = {
     "recsys23": {"rows": 1 << 23, "batch": 1024, "steps": 6},
 }
 MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
-          "dtk_batch1_model8": "batch=1,model=8", "dtk_batch4_model2_fsdp": "batch=4,model=2"}
+          "dtk_batch1_model8": "batch=1,model=8", "dtk_batch4_model2_fsdp": "batch=4,model=2",
+          "dtk_batch2_model4_nosp": "batch=2,model=4", "dtk_batch2_seq4": "batch=2,seq=4",
+          "dtk_batch2_seq2_model2": "batch=2,seq=2,model=2", "dtk_batch1_seq8": "batch=1,seq=8"}
 VARIANTS = {
     "floor": "plain tf.function loop, 1 device",
     "keras_fit": "plain tf_keras Model.fit, 1 device",
@@ -75,6 +87,10 @@ VARIANTS = {
     "dtk_batch4_model2_fsdp": "dtk Steps, mesh batch=4,model=2, FSDP x model parallel",
     "dtk_batch8_fsdp_remat": "dtk Steps, mesh batch=8, FSDP + remat of the model's blocks",
     "dtk_batch8_remat": "dtk Steps, mesh batch=8, remat of the model's blocks (replicated update)",
+    "dtk_batch2_model4_nosp": "LM: batch=2,model=4 without Megatron's sequence parallelism",
+    "dtk_batch2_seq4": "LM: batch=2,seq=4 (context parallelism: the sequence sharded over seq)",
+    "dtk_batch2_seq2_model2": "LM: batch=2,seq=2,model=2 (context x tensor parallelism)",
+    "dtk_batch1_seq8": "LM: batch=1,seq=8 (the sequence sharded over every device)",
     "dtk_batch8_sparse": "recsys: dtk Steps, batch=8, tables row-sharded over batch, lazy Adam (sparse)",
     "dtk_batch4_model2_sparse": "recsys: dtk Steps, batch=4,model=2, tables row-sharded over model, lazy Adam",
 }
@@ -278,7 +294,8 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
     def factory():
         return models.transformer_lm(vocab=256, seq_len=seq, dim=spec["dim"],
                                      heads=spec["heads"], layers=spec["layers"],
-                                     dropout=spec.get("dropout", 0.0))
+                                     dropout=spec.get("dropout", 0.0),
+                                     attention=spec.get("attention", "mha"))
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (batch, seq)).astype(np.int32)
@@ -295,8 +312,11 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         first, times = _timed(lambda: step(xb, yb), steps)
     else:
         mesh = _mesh(dtk, MESHES.get(variant, "batch=8"))
-        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=0,
-                                       fsdp="_fsdp" in variant)
+        table = layouts.load_table("transformer_lm")
+        if variant.endswith("_nosp"):  # the same table without Megatron's sequence parallelism
+            import dataclasses  # pylint: disable=g-import-not-at-top
+            table = dataclasses.replace(table, sequence_parallel_axis=None)
+        model, _ = layouts.build_model(factory, mesh, table, seed=0, fsdp="_fsdp" in variant)
         if spec.get("keras_rng"):  # undo dtk.parallel.randomness: Keras's generator, per-device draws
             from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
             for layer in model._flatten_layers():  # pylint: disable=protected-access

@@ -34,6 +34,10 @@ flags.DEFINE_integer("steps", 600, "Training steps in all.")
 flags.DEFINE_integer("eval_every", 100, "Evaluate the held-out loss every this many steps.")
 flags.DEFINE_integer("eval_batches", 20, "Held-out batches per evaluation.")
 flags.DEFINE_float("dropout", 0.0, "Dropout rate (the same masks on every mesh: dtk.parallel.randomness).")
+flags.DEFINE_enum("attention", "mha", ["mha", "blockwise"], "Attention: tf_keras "
+                  "MultiHeadAttention (scores [rows, heads, T, T]) or blockwise (memory linear in T; "
+                  "no attention dropout).")
+flags.DEFINE_integer("block_size", 128, "Keys per block of blockwise attention (divides --seq_len).")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
@@ -48,6 +52,10 @@ def _check_flags():
                  "eval_batches"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    if FLAGS.attention == "blockwise" and (FLAGS.block_size < 1 or
+                                           FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
+        raise UsageError(f"--block_size {FLAGS.block_size} does not divide --seq_len "
+                         f"{FLAGS.seq_len}; use a divisor of it (e.g. 128 for 4096)")
     if FLAGS.dim % FLAGS.heads:
         raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
     if FLAGS.sample_bytes < 0:
@@ -108,7 +116,8 @@ def _setup():
 
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
-                                dropout=FLAGS.dropout)
+                                dropout=FLAGS.dropout, attention=FLAGS.attention,
+                                block_size=FLAGS.block_size)
     auto_plan = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
         try:

@@ -37,10 +37,10 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk import _env
-from dtk.parallel import materialize, ops as op_support, randomness
+from dtk.parallel import materialize, ops as op_support, randomness, sequence
 from dtk.parallel import fsdp as fsdp_lib
 from dtk import keras_check
-from dtk.parallel.mesh import as_mesh
+from dtk.parallel.mesh import BATCH_AXIS, as_mesh
 
 try:
     import tomllib
@@ -83,6 +83,11 @@ class LayoutTable:
     # Mesh axes the table replicates every weight over on purpose (e.g. a data-parallel CNN on a
     # mesh with a `model` axis); any other axis that shards nothing is an error (plan_weights).
     replicated_axes: tuple[str, ...] = ()
+    # Activations' sequence dim (dim 1 of the residual stream, dtk.parallel.sequence): sharded
+    # over ``sequence_axis`` (context parallelism) or, on a mesh without it, over
+    # ``sequence_parallel_axis`` (Megatron's sequence parallelism on the tensor-parallel axis).
+    sequence_axis: str | None = None
+    sequence_parallel_axis: str | None = None
 
 
 def shipped_tables_dir() -> Path:
@@ -146,14 +151,17 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
         raise ValueError(f"layout table {source}: {message}")
 
     unknown = set(data) - {"name", "description", "axes", "optional_axes", "default", "rules",
-                           "replicated_axes"}
+                           "replicated_axes", "sequence_axis", "sequence_parallel_axis"}
     if unknown:
         fail(f"unknown keys {sorted(unknown)}; allowed: name, description, axes, optional_axes, "
-             "replicated_axes, default, rules")
+             "replicated_axes, sequence_axis, sequence_parallel_axis, default, rules")
     axes = tuple(data.get("axes", ()))
     optional = tuple(data.get("optional_axes", ()))
     if not set(optional) <= set(axes):
         fail(f"optional_axes {list(optional)} must be among axes {list(axes)}")
+    for key in ("sequence_axis", "sequence_parallel_axis"):
+        if key in data and data[key] not in axes:
+            fail(f"{key} {data[key]!r} must be one of the table's axes {list(axes)}")
     default = data.get("default", "replicated")
     if default not in DEFAULTS:
         fail(f"default {default!r} is not one of {', '.join(DEFAULTS)}")
@@ -175,7 +183,9 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
     return LayoutTable(name=str(data.get("name", Path(source).stem)),
                        description=str(data.get("description", "")), axes=axes,
                        optional_axes=optional, default=default, rules=tuple(rules), source=source,
-                       replicated_axes=tuple(data.get("replicated_axes", ())))
+                       replicated_axes=tuple(data.get("replicated_axes", ())),
+                       sequence_axis=data.get("sequence_axis"),
+                       sequence_parallel_axis=data.get("sequence_parallel_axis"))
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -447,7 +457,8 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
             "paths; see dtk.explain), use another table, or pass allow_replicated=True "
             "(train_mnist.py: --allow_replicated)")
     idle = [a for a, n in sizes.items() if n > 1 and a != batch_axis and a not in
-            table.replicated_axes and not any(a in w.dims for w in planned)]
+            table.replicated_axes and a != table.sequence_axis
+            and not any(a in w.dims for w in planned)]
     if idle and not allow_replicated:
         axis = idle[0]
         raise ValueError(
@@ -700,7 +711,11 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     _bind_metrics(model, mesh)
     _finalize_preprocessing(model)
     _place_constants(model, mesh)
-    for line in [*op_support.adapt_layers(model), *randomness.adapt_layers(model, seed=seed)]:
+    for line in [*op_support.adapt_layers(model), *randomness.adapt_layers(model, seed=seed),
+                 *sequence.configure(model, mesh, batch_axis=BATCH_AXIS,
+                                     sequence_axis=plan.table.sequence_axis,
+                                     sequence_parallel_axis=plan.table.sequence_parallel_axis,
+                                     table_name=plan.table.name)]:
         _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).

@@ -1,0 +1,140 @@
+"""Attention without the ``T x T`` score tensor: FlashAttention's recurrence in TensorFlow ops.
+
+``tf_keras.layers.MultiHeadAttention`` materializes the scores ``[rows, heads, T, T]`` (and keeps
+them, their softmax and its dropout for the backward pass), so its activation memory grows with
+``T^2``: at T = 4,096 and 8 heads, 512 MiB a row in float32. ``BlockwiseAttention`` is the same
+layer (same weights, names and outputs) computing attention one block of ``block_size`` keys at a
+time with an online softmax (a running maximum and denominator per query), unrolled in Python so
+that DTensor lays out every op; its gradient is written by hand (FlashAttention's backward pass:
+each block's probabilities recomputed from the saved log-sum-exp), so neither pass holds more than
+``[rows, heads, T, block_size]`` of scores. With the sequence sharded over ``seq``
+(``dtk.parallel.sequence``) the queries of a device are ``T / seq`` of them.
+
+A causal mask is built per block from global positions (the layer needs no ``[T, T]`` mask);
+an explicit ``attention_mask`` falls back to the dense computation. Attention dropout is not
+supported (``dropout`` must be 0): the residual dropout of a transformer is unaffected.
+
+Example::
+
+    attn = dtk.parallel.attention.BlockwiseAttention(num_heads=8, key_dim=64, block_size=256)
+    out = attn(x, x, use_causal_mask=True)      # as MultiHeadAttention, memory O(T * block)
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+import tf_keras
+
+
+def _block_scores(q, k_blk, q_pos, k_start, causal):
+    """Scores ``[B, H, Tq, bk]`` of one key block (q already scaled), masked if causal."""
+    s = tf.einsum("bqhd,bkhd->bhqk", q, k_blk)
+    if causal:
+        k_pos = k_start + tf.range(k_blk.shape[1])
+        allowed = q_pos[:, None] >= k_pos[None, :]
+        s = tf.where(allowed[None, None], s, tf.cast(-1e30, s.dtype))
+    return s
+
+
+def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
+    """``softmax(q k^T / sqrt(d)) v`` one key block at a time; q ``[B, Tq, H, D]``, k and v
+    ``[B, Tk, H, D]``; returns ``[B, Tq, H, D]``. The gradient recomputes each block's
+    probabilities (FlashAttention), so memory is ``O(Tq * block_size)`` per row and head."""
+    tk = k.shape[1]
+    if tk % block_size:
+        raise ValueError(f"block_size {block_size} does not divide the key length {tk}; use a "
+                         f"block size that divides it (e.g. {math.gcd(tk, block_size)})")
+    scale = 1.0 / math.sqrt(float(q.shape[-1]))
+    blocks = tk // block_size
+
+    @tf.custom_gradient
+    def attend(q, k, v):
+        qs = q * tf.cast(scale, q.dtype)
+        q_pos = tf.range(q.shape[1])
+        m = l = acc = None
+        for j in range(blocks):
+            k_blk = k[:, j * block_size:(j + 1) * block_size]
+            v_blk = v[:, j * block_size:(j + 1) * block_size]
+            s = _block_scores(qs, k_blk, q_pos, j * block_size, causal)
+            m_blk = tf.reduce_max(s, axis=-1)  # [B, H, Tq]
+            if m is None:
+                m_new = m_blk
+                p = tf.exp(s - m_new[..., None])
+                l = tf.reduce_sum(p, axis=-1)
+                acc = tf.einsum("bhqk,bkhd->bhqd", p, v_blk)
+            else:
+                m_new = tf.maximum(m, m_blk)
+                correction = tf.exp(m - m_new)
+                p = tf.exp(s - m_new[..., None])
+                l = l * correction + tf.reduce_sum(p, axis=-1)
+                acc = acc * correction[..., None] + tf.einsum("bhqk,bkhd->bhqd", p, v_blk)
+            m = m_new
+        out = tf.transpose(acc / l[..., None], [0, 2, 1, 3])  # [B, Tq, H, D]
+        lse = m + tf.math.log(l)  # [B, H, Tq]
+
+        def grad(d_out):
+            d_out_h = tf.transpose(d_out, [0, 2, 1, 3])  # [B, H, Tq, D]
+            out_h = tf.transpose(out, [0, 2, 1, 3])
+            delta = tf.reduce_sum(d_out_h * out_h, axis=-1)  # [B, H, Tq]
+            dq = tf.zeros_like(q)
+            dks, dvs = [], []
+            for j in range(blocks):
+                k_blk = k[:, j * block_size:(j + 1) * block_size]
+                v_blk = v[:, j * block_size:(j + 1) * block_size]
+                s = _block_scores(qs, k_blk, q_pos, j * block_size, causal)
+                p = tf.exp(s - lse[..., None])  # the block's probabilities [B, H, Tq, bk]
+                dvs.append(tf.einsum("bhqk,bhqd->bkhd", p, d_out_h))
+                dp = tf.einsum("bhqd,bkhd->bhqk", d_out_h, v_blk)
+                ds = p * (dp - delta[..., None])
+                dq += tf.einsum("bhqk,bkhd->bqhd", ds, k_blk) * scale
+                dks.append(tf.einsum("bhqk,bqhd->bkhd", ds, qs))
+            return dq, tf.concat(dks, axis=1), tf.concat(dvs, axis=1)
+
+        return out, grad
+
+    return attend(q, k, v)
+
+
+@tf_keras.saving.register_keras_serializable(package="dtk")
+class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
+    """``MultiHeadAttention`` with blockwise attention: the same weights (``_query_dense`` ...,
+    so layout tables apply unchanged), values and gradients, memory linear in the key length.
+
+    Args:
+      block_size: keys per block; must divide the key length.
+      Others: as ``tf_keras.layers.MultiHeadAttention`` (``dropout`` must be 0).
+    """
+
+    def __init__(self, num_heads, key_dim, *, block_size: int = 128, **kwargs):
+        if kwargs.get("dropout", 0.0):
+            raise ValueError(f"BlockwiseAttention does not drop attention probabilities "
+                             f"(dropout={kwargs['dropout']}); pass dropout=0 (a transformer's "
+                             "residual dropout is unaffected) or use MultiHeadAttention")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+        super().__init__(num_heads, key_dim, **kwargs)
+        self.block_size = block_size
+        self._dtk_causal = False
+
+    def call(self, query, value, key=None, attention_mask=None, return_attention_scores=False,
+             training=None, use_causal_mask=False):
+        if return_attention_scores:
+            raise ValueError("BlockwiseAttention never forms the attention scores "
+                             "(return_attention_scores=True); use MultiHeadAttention for them")
+        # The causal mask is applied per block from positions, not as a [T, T] tensor.
+        self._dtk_causal = use_causal_mask and attention_mask is None
+        return super().call(query, value, key=key, attention_mask=attention_mask,
+                            training=training,
+                            use_causal_mask=use_causal_mask and not self._dtk_causal)
+
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None):
+        if attention_mask is not None or query.shape.rank != 4:
+            return super()._compute_attention(query, key, value, attention_mask, training)
+        out = blockwise_attention(query, key, value, block_size=self.block_size,
+                                  causal=self._dtk_causal)
+        return out, None
+
+    def get_config(self):
+        return {**super().get_config(), "block_size": self.block_size}

@@ -1,0 +1,92 @@
+"""Issue 44: blockwise attention (dtk.parallel.attention) equals MultiHeadAttention, values and
+gradients, without forming the T x T scores; the LM with it trains alike on sequence meshes."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from dtk.parallel import attention
+
+
+def _pair(heads=4, key_dim=8, block=4, **kwargs):
+    dense = tf_keras.layers.MultiHeadAttention(heads, key_dim, **kwargs)
+    blockwise = attention.BlockwiseAttention(heads, key_dim, block_size=block, **kwargs)
+    return dense, blockwise
+
+
+@pytest.mark.parametrize("causal, tq, tk, block", [
+    (True, 16, 16, 4), (False, 16, 16, 4), (True, 16, 16, 16), (False, 8, 16, 8), (True, 12, 12, 3)])
+def test_values_and_gradients_equal_multi_head_attention(causal, tq, tk, block):
+    tf_keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    q = tf.constant(rng.normal(size=(2, tq, 16)), tf.float32)
+    kv = tf.constant(rng.normal(size=(2, tk, 16)), tf.float32)
+    dense, blockwise = _pair(block=block)
+    dense(q, kv, use_causal_mask=causal)
+    blockwise(q, kv, use_causal_mask=causal)
+    blockwise.set_weights(dense.get_weights())
+    results = []
+    for layer in (dense, blockwise):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([q, kv])
+            out = layer(q, kv, use_causal_mask=causal)
+            loss = tf.reduce_sum(out * tf.sin(out))
+        grads = tape.gradient(loss, [q, kv, *layer.trainable_variables])
+        results.append((out.numpy(), [g.numpy() for g in grads]))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(results[1][1], results[0][1]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_no_tensor_of_the_full_score_shape_is_formed():
+    """The forward and backward graphs hold no [B, H, T, T] tensor (MultiHeadAttention's do)."""
+    tf_keras.utils.set_random_seed(0)
+    x = tf.random.normal([1, 64, 16])
+
+    def shapes(layer):
+        layer(x, x, use_causal_mask=True)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x, x, use_causal_mask=True))
+            return tape.gradient(loss, [x, *layer.trainable_variables])
+
+        graph = step.get_concrete_function(x).graph
+        found = set()
+        for op in graph.get_operations():
+            for out in op.outputs:
+                if out.shape.rank == 4:
+                    found.add(tuple(out.shape.as_list()))
+        return found
+
+    dense, blockwise = _pair(block=16)
+    assert (1, 4, 64, 64) in shapes(dense)
+    blocks = shapes(blockwise)
+    assert (1, 4, 64, 64) not in blocks and (1, 4, 64, 16) in blocks
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dropout": 0.1}, "BlockwiseAttention does not drop attention probabilities"),
+    ({"block_size": 0}, "block_size must be a positive integer; got 0"),
+])
+def test_bad_arguments_are_one_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        attention.BlockwiseAttention(4, 8, **kwargs)
+
+
+def test_a_block_size_that_does_not_divide_the_sequence_is_one_value_error():
+    layer = attention.BlockwiseAttention(4, 8, block_size=5)
+    x = tf.zeros([1, 12, 16])
+    with pytest.raises(ValueError, match="block_size 5 does not divide the key length 12"):
+        layer(x, x)
+
+
+def test_the_layer_round_trips_through_its_config():
+    layer = attention.BlockwiseAttention(4, 8, block_size=32)
+    again = attention.BlockwiseAttention.from_config(layer.get_config())
+    assert again.block_size == 32 and again.get_config()["num_heads"] == 4
