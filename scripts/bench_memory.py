@@ -19,6 +19,11 @@ Variants (``--variants``, comma-separated):
 * ``fsdp``: ``--mesh batch=8 --fsdp``
 * ``fsdp_tp``: ``--mesh batch=4,model=2 --fsdp``
 * ``fsdp_remat``: ``--mesh batch=8 --fsdp --remat blocks``
+* ``seq``, ``seq_blockwise``: ``--mesh batch=2,seq=4`` (the sequence sharded over seq), with
+  MultiHeadAttention or blockwise attention; ``replicated_blockwise``: ``batch=8`` blockwise;
+  ``seq8_blockwise``: ``batch=1,seq=8`` blockwise. Long context, e.g.
+  ``python scripts/bench_memory.py --dim 64 --layers 1 --seq_len 4096 --variants
+  replicated,seq,replicated_blockwise,seq_blockwise``
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ VARIANTS = {
     "fsdp": ["--mesh", "batch=8", "--fsdp"],
     "fsdp_tp": ["--mesh", "batch=4,model=2", "--fsdp"],
     "fsdp_remat": ["--mesh", "batch=8", "--fsdp", "--remat", "blocks"],
+    # issue 44: the sequence sharded (context parallelism), and blockwise attention
+    "seq": ["--mesh", "batch=2,seq=4", "--noshard_optimizer_state"],
+    "replicated_blockwise": ["--mesh", "batch=8", "--noshard_optimizer_state", "--attention",
+                             "blockwise"],
+    "seq_blockwise": ["--mesh", "batch=2,seq=4", "--noshard_optimizer_state", "--attention",
+                      "blockwise"],
+    "seq8_blockwise": ["--mesh", "batch=1,seq=8", "--noshard_optimizer_state", "--attention",
+                       "blockwise"],
 }
 # Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
 # dtk ends the process early, see dtk.cluster.env.exit_process).
@@ -57,6 +70,7 @@ def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> 
                    sys.executable, "-c", SHIM, os.path.join(REPO, "scripts", "train_lm.py"),
                    *flags, "--dim", str(dim), "--layers", str(args.layers),
                    "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
+                   "--heads", str(args.heads),
                    "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
                    "--sample_bytes", "0", "--summary_json", summary]
         try:
@@ -105,6 +119,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--global_batch_size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num_clients", type=int, default=4)
