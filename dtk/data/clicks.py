@@ -183,7 +183,10 @@ class ClickLog:
                  IDS: tf.TensorSpec((None, len(c.table_sizes)), tf.int32)},
                 tf.TensorSpec((None, 1), tf.float32))
         gen = lambda: ((f, y) for f, y, _ in self._chunks(split, num_examples))  # noqa: E731
-        return tf.data.Dataset.from_generator(gen, output_signature=spec).unbatch()
+        # The size is known: no counting pass over the generator (dtk.data.input counts a dataset
+        # of unknown cardinality once).
+        return tf.data.Dataset.from_generator(gen, output_signature=spec).unbatch().apply(
+            tf.data.experimental.assert_cardinality(num_examples))
 
     def labels_and_logits(self, split: str, num_examples: int) -> tuple[np.ndarray, np.ndarray]:
         """All labels and hidden logits of a split's first ``num_examples`` (small: 12 bytes each)."""
