@@ -32,9 +32,11 @@ def _block_scores(q, k_blk, q_pos, k_start, causal):
     """Scores ``[B, H, Tq, bk]`` of one key block (q already scaled), masked if causal."""
     s = tf.einsum("bqhd,bkhd->bhqk", q, k_blk)
     if causal:
-        k_pos = k_start + tf.range(k_blk.shape[1])
-        allowed = q_pos[:, None] >= k_pos[None, :]
-        s = tf.where(allowed[None, None], s, tf.cast(-1e30, s.dtype))
+        # 0 where the key is at or before the query, hugely negative after it. Arithmetic, not a
+        # broadcast comparison: DTensor crashed on the comparison from T = 1,024 on.
+        k_pos = tf.cast(k_start + tf.range(k_blk.shape[1]), s.dtype)
+        ahead = tf.minimum(tf.cast(q_pos, s.dtype)[:, None] - k_pos[None, :], 0.0)
+        s = s + ahead * tf.cast(1e30, s.dtype)
     return s
 
 
