@@ -30,7 +30,8 @@ UNCOVERED = "uncovered"  # trains; draws per device, named in a warning (dtk.par
 # Input kinds: one example's shape and dtype.
 INPUTS = {"img": ((8, 8, 3), "float32"), "seq": ((6, 4), "float32"), "vec": ((12,), "float32"),
           "vol": ((4, 4, 4, 2), "float32"), "ids": ((6,), "int32"),
-          "frames": ((3, 5, 2), "float32")}
+          "frames": ((3, 5, 2), "float32"), "frames2d": ((3, 5, 5, 2), "float32"),
+          "frames3d": ((2, 3, 3, 3, 2), "float32")}
 
 
 def _head(x):
@@ -113,7 +114,12 @@ TABLE = {
         [L.SimpleRNNCell(4), L.GRUCell(3)])), "seq"), PARITY),
     "Bidirectional": (*single(lambda: L.Bidirectional(L.LSTM(3)), "seq"), PARITY),
     "TimeDistributed": (*single(lambda: L.TimeDistributed(L.Dense(3)), "seq"), PARITY),
-    "ConvLSTM1D": (*single(lambda: L.ConvLSTM1D(2, 2), "frames"), REFUSED),
+    "ConvLSTM1D": (*single(lambda: L.ConvLSTM1D(2, 2), "frames"), PARITY),
+    "ConvLSTM2D": (*single(lambda: L.ConvLSTM2D(2, 3, padding="same", return_sequences=True),
+                           "frames2d"), PARITY),
+    "ConvLSTM2D(go_backwards)": (*single(lambda: L.ConvLSTM2D(2, 3, go_backwards=True),
+                                         "frames2d"), PARITY),
+    "ConvLSTM3D": (*single(lambda: L.ConvLSTM3D(2, 2), "frames3d"), PARITY),
     # normalization
     "BatchNormalization": (*single(lambda: L.BatchNormalization(), "img"), PARITY),
     "LayerNormalization": (*single(lambda: L.LayerNormalization(), "seq"), PARITY),
@@ -209,8 +215,6 @@ EXCLUDED = {
     "Normalization": "rows Normalization(mean, variance), Normalization(unadapted); adapt() "
                      "in a factory: test_user_models",
     "MultiHeadAttention": "row MultiHeadAttention (self-attention wrapper)",
-    "ConvLSTM2D": "refused as ConvLSTM1D (row ConvLSTM1D)",
-    "ConvLSTM3D": "refused as ConvLSTM1D (row ConvLSTM1D)",
     "SpatialDropout3D": "random, as SpatialDropout2D",
     "RandomHeight": "random augmentation with a data-dependent output shape",
     "RandomWidth": "random augmentation with a data-dependent output shape",

@@ -244,6 +244,44 @@ class _ReverseEquivalent:
         backend.reverse = wrapped
 
 
+class _UnrolledConvRNN:
+    """While a laid-out ConvLSTM layer runs: ``tf_keras.backend.rnn`` unrolls its loop.
+
+    ``ConvRNN`` refuses ``unroll=True`` and runs a while loop over TensorLists, which DTensor
+    cannot lay out; the same step function unrolled over the static number of frames can. A
+    pass-through outside dtk's adapted layers.
+    """
+
+    active = 0
+
+    @classmethod
+    def install(cls):
+        from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
+        if getattr(backend.rnn, "_dtk", False):
+            return
+        original = backend.rnn
+
+        def wrapped(*args, **kwargs):
+            if cls.active:
+                kwargs["unroll"] = True
+            return original(*args, **kwargs)
+
+        wrapped._dtk = True  # pylint: disable=protected-access
+        backend.rnn = wrapped
+
+
+def _conv_rnn_call(call):
+    def wrapped(self, *args, **kwargs):
+        _UnrolledConvRNN.active += 1
+        _ReverseEquivalent.active += 1  # go_backwards reverses the frames
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _UnrolledConvRNN.active -= 1
+            _ReverseEquivalent.active -= 1
+    return wrapped
+
+
 def _bidirectional_call(call):
     def wrapped(self, *args, **kwargs):
         _ReverseEquivalent.active += 1
@@ -455,6 +493,10 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             layer._dtk_table_layout = layout  # pylint: disable=protected-access
             layer._dtk_batch_axis = batch_axis  # pylint: disable=protected-access
             layer.call = types.MethodType(_row_sharded_embedding_call, layer)
+        elif type(layer).__name__.startswith("ConvLSTM"):
+            _UnrolledConvRNN.install()
+            _ReverseEquivalent.install()
+            layer.call = types.MethodType(_conv_rnn_call(layer.call), layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it
@@ -597,7 +639,7 @@ def check_layers(model: tf_keras.Model) -> None:
             cells = getattr(layer.cell, "cells", [layer.cell])
             rates = {k: getattr(c, k, 0) for c in cells for k in ("dropout", "recurrent_dropout")
                      if getattr(c, k, 0)}
-            if rates:
+            if rates and not name.startswith("ConvLSTM"):  # dtk unrolls those itself
                 raise ValueError(
                     f"layer {layer.name!r} ({name}, {', '.join(f'{k}={v}' for k, v in rates.items())}"
                     ") caches its dropout masks per graph, and with its recurrent loop the cache "
@@ -611,11 +653,6 @@ def check_layers(model: tf_keras.Model) -> None:
                     "DTensor cannot lay out; dtk unrolls it, which needs a static sequence "
                     "length, but its input's time dim is None. Give the model's Input a fixed "
                     "length, e.g. tf_keras.Input((timesteps, features))")
-        if type(layer).__name__.startswith("ConvLSTM"):
-            raise ValueError(
-                f"layer {layer.name!r} ({name}) runs a recurrent loop (TensorList ops) that "
-                "DTensor cannot lay out, and dtk cannot unroll this layer; use Conv2D + LSTM on a "
-                "fixed-length sequence, or unroll=True where the layer takes it")
 
 
 # Augmentation layers refused (their image ops have no layout propagation).
