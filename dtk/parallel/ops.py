@@ -591,7 +591,11 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
     # block numbers crashed DTensor's layout propagation here; one_hot did not).
     owned = dtensor.relayout(tf.one_hot(ids // per, shards, axis=0, dtype=gathered.dtype),
                              dtensor.Layout([rows_axis, *ids_specs], mesh))
-    return tf.reduce_sum(gathered * owned[..., None], axis=0)
+    # Pinned to the ids' layout: a later relayout (the sequence sharded over the rows' axis,
+    # dtk.parallel.sequence) must not propagate into the gather's gradient (DTensor: "TransposeOp
+    # SPMD needs communication is not supported").
+    return dtensor.relayout(tf.reduce_sum(gathered * owned[..., None], axis=0),
+                            dtensor.Layout([*ids_specs, unsharded], mesh))
 
 
 def _row_sharded_embedding_call(self, inputs):

@@ -458,7 +458,8 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                          optimizer_slots: int = 2) -> list[Candidate]:
     """Every candidate with its memory and (given the calibrations) its predicted time."""
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
-    axes = ["batch"] + [a for a in table.axes if a != "batch"]
+    # The sequence axis is not planned yet: the cost model does not count sharded activations.
+    axes = ["batch"] + [a for a in table.axes if a not in ("batch", table.sequence_axis)]
     out = []
     for sizes in factorizations(devices, axes):
         mesh = ",".join(f"{a}={n}" for a, n in sizes.items()
@@ -669,7 +670,8 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
         _store_cache(path, key, dataclasses.asdict(result))
         return result
     mesh = mesh_lib.build_mesh(",".join(f"{a}={devices if a == 'batch' else 1}" for a in
-                                        ["batch"] + [a for a in table.axes if a != "batch"]),
+                                        ["batch"] + [a for a in table.axes
+                                                     if a not in ("batch", table.sequence_axis)]),
                                device_type=device_type)
     half = max(devices, batch // 2 // devices * devices)
     if half == batch:
