@@ -263,6 +263,32 @@ def apply_plan(flags, plan) -> None:
     flags.grad_accum = chosen["gradient_accumulation_steps"]
 
 
+def mesh_and_table(values: Callable[[str], Any]):
+    """The mesh (``--mesh``, ``--device``, ``--virtual_devices``) and the layout table
+    (``--layout``) a script's flags name: ``(spec, mesh, table)``.
+
+    Raises:
+      UsageError: a mesh without the batch axis, one that cannot be built, or an unknown table,
+        naming the flag.
+    """
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    try:
+        spec = dtk.parse_mesh_spec(values("mesh"))
+        if dtk.BATCH_AXIS not in spec.axis_names:
+            raise ValueError(f"it has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
+                             f"inputs are sharded on; add one, e.g. {dtk.BATCH_AXIS}=1,{spec}")
+        mesh = dtk.build_mesh(spec, device_type=values("device"),
+                              virtual_devices=values("virtual_devices"))
+    except ValueError as e:
+        raise UsageError(f"--mesh {values('mesh')}: {e}") from None
+    try:
+        table = layouts.load_table(values("layout"))
+    except ValueError as e:
+        raise UsageError(f"--layout: {e}") from None
+    return spec, mesh, table
+
+
 def plan_summary(plan) -> dict[str, Any] | None:
     """The summary JSON's record of the plan ``--mesh auto`` chose (None without one)."""
     if plan is None:

@@ -132,19 +132,7 @@ def _setup():
         if FLAGS.explain_plan:
             return None, None, table, factory, None, None, auto_plan
         cli.apply_plan(FLAGS, auto_plan)
-    try:
-        spec = dtk.parse_mesh_spec(FLAGS.mesh)
-        if dtk.BATCH_AXIS not in spec.axis_names:
-            raise ValueError(f"it has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
-                             f"inputs are sharded on; add one, e.g. {dtk.BATCH_AXIS}=1,{spec}")
-        mesh = dtk.build_mesh(spec, device_type=FLAGS.device,
-                              virtual_devices=FLAGS.virtual_devices)
-    except ValueError as e:
-        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
-    try:
-        table = layouts.load_table(FLAGS.layout)
-    except ValueError as e:
-        raise UsageError(f"--layout: {e}") from None
+    spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,

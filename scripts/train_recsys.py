@@ -81,18 +81,7 @@ def _setup():
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
         raise UsageError("--mesh auto and --explain_plan do not plan recommenders yet (issue 43); "
                          "give a mesh, e.g. --mesh batch=4,model=2")
-    try:
-        spec = dtk.parse_mesh_spec(FLAGS.mesh)
-        if dtk.BATCH_AXIS not in spec.axis_names:
-            raise ValueError(f"it has no '{dtk.BATCH_AXIS}' axis, the data-parallel axis that "
-                             f"inputs are sharded on; add one, e.g. {dtk.BATCH_AXIS}=1,{spec}")
-        mesh = dtk.build_mesh(spec, device_type=FLAGS.device, virtual_devices=FLAGS.virtual_devices)
-    except ValueError as e:
-        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
-    try:
-        table = layouts.load_table(FLAGS.layout)
-    except ValueError as e:
-        raise UsageError(f"--layout: {e}") from None
+    spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)

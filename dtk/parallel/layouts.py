@@ -715,7 +715,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                  *sequence.configure(model, mesh, batch_axis=BATCH_AXIS,
                                      sequence_axis=plan.table.sequence_axis,
                                      sequence_parallel_axis=plan.table.sequence_parallel_axis,
-                                     table_name=plan.table.name)]:
+                                     table_name=plan.table.name, fsdp=fsdp)]:
         _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).

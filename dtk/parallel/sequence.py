@@ -97,15 +97,24 @@ def choose_axis(mesh: dtensor.Mesh, *, sequence_axis: str | None,
 
 def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
               sequence_axis: str | None, sequence_parallel_axis: str | None,
-              table_name: str = "") -> list[str]:
+              table_name: str = "", fsdp: bool = False) -> list[str]:
     """Gives the model's sequence layers their layouts on ``mesh``; returns lines for the log.
 
+    FSDP's gathered weights and a sharded sequence fail together inside DTensor (a reshape of the
+    wrong size in its collective lowering): under FSDP, Megatron's sequence parallelism stays off
+    and a sequence axis is refused.
+
     Raises:
-      ValueError: a sequence axis on a model with no sequence layers, or a sequence length that
-        the axis cannot divide, naming the length, the axis and its size.
+      ValueError: a sequence axis on a model with no sequence layers, a sequence length that the
+        axis cannot divide (naming the length, the axis and its size), or FSDP with a sequence axis.
     """
     axis, kind = choose_axis(mesh, sequence_axis=sequence_axis,
-                             sequence_parallel_axis=sequence_parallel_axis)
+                             sequence_parallel_axis=None if fsdp else sequence_parallel_axis)
+    if fsdp and kind == "context" and sequence_layers(model):
+        raise ValueError(
+            f"fsdp=True (--fsdp) with the sequence sharded over mesh axis {axis!r} (size "
+            f"{mesh.dim_size(axis)}) fails inside DTensor; drop --fsdp (shard the weights over "
+            f"'model' instead), or drop {axis!r} from the mesh")
     layers = sequence_layers(model)
     if axis is None:
         return []

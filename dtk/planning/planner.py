@@ -191,6 +191,11 @@ class PlanError(ValueError):
 
 
 # -- profiling a model ------------------------------------------------------------------------------
+
+def _identity_layers():
+    from dtk.parallel import sequence  # pylint: disable=g-import-not-at-top
+    return (sequence.SequenceSharding, sequence.SequenceGather)
+
 def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] | None = None,
                   *, input_dtype: str | None = None) -> ModelProfile:
     """Reads the weights and every leaf layer's sizes from one plain call on one example.
@@ -234,6 +239,8 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
             def call(*args, __layer=layer, __name=name, __call=original, **kwargs):
                 before = calls[0]
                 out = __call(*args, **kwargs)
+                if isinstance(__layer, _identity_layers()):
+                    return out  # marks where the sequence is sharded; keeps nothing of its own
                 if calls[0] != before:
                     return out  # its sublayers ran and were counted (an LSTM's fused kernel
                                 # never calls its cell: then the LSTM itself is counted)
