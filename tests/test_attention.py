@@ -38,7 +38,7 @@ def test_values_and_gradients_equal_multi_head_attention(causal, tq, tk, block):
         results.append((out.numpy(), [g.numpy() for g in grads]))
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1], results[0][1]):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_no_tensor_of_the_full_score_shape_is_formed():

@@ -221,74 +221,59 @@ def reverse(x, axes):
     return y if dtype.is_floating else tf.cast(y, dtype)
 
 
-class _ReverseEquivalent:
-    """While a laid-out Bidirectional layer runs: ``tf_keras.backend.reverse`` is ``reverse``.
+class _WhileActive:
+    """Replaces ``tf_keras.backend.<name>`` while one of dtk's adapted layers runs.
 
-    Installed once, process-wide, as a wrapper that is a pass-through outside dtk's adapted
-    layers (a plain model in the same process keeps ``tf.reverse``).
+    Installed once, process-wide, as a wrapper that is a pass-through outside those layers (a
+    plain model in the same process keeps tf_keras's own function). ``replacement(original, *args,
+    **kwargs)`` computes the adapted value.
     """
 
-    active = 0
+    def __init__(self, name: str, replacement):
+        self.name, self.replacement, self.active = name, replacement, 0
 
-    @classmethod
-    def install(cls):
+    def install(self):
         from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
-        if getattr(backend.reverse, "_dtk", False):
+        original = getattr(backend, self.name)
+        if getattr(original, "_dtk", False):
             return
-        original = backend.reverse
-
-        def wrapped(x, axes):
-            return reverse(x, axes) if cls.active else original(x, axes)
-
-        wrapped._dtk = True  # pylint: disable=protected-access
-        backend.reverse = wrapped
-
-
-class _UnrolledConvRNN:
-    """While a laid-out ConvLSTM layer runs: ``tf_keras.backend.rnn`` unrolls its loop.
-
-    ``ConvRNN`` refuses ``unroll=True`` and runs a while loop over TensorLists, which DTensor
-    cannot lay out; the same step function unrolled over the static number of frames can. A
-    pass-through outside dtk's adapted layers.
-    """
-
-    active = 0
-
-    @classmethod
-    def install(cls):
-        from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
-        if getattr(backend.rnn, "_dtk", False):
-            return
-        original = backend.rnn
 
         def wrapped(*args, **kwargs):
-            if cls.active:
-                kwargs["unroll"] = True
+            if self.active:
+                return self.replacement(original, *args, **kwargs)
             return original(*args, **kwargs)
 
         wrapped._dtk = True  # pylint: disable=protected-access
-        backend.rnn = wrapped
+        setattr(backend, self.name, wrapped)
+
+
+# Bidirectional (return_sequences) and go_backwards: the reverse along time as ``reverse``.
+_REVERSE = _WhileActive("reverse", lambda original, x, axes: reverse(x, axes))
+# ConvLSTM: ``ConvRNN`` refuses ``unroll=True`` and runs a while loop over TensorLists, which
+# DTensor cannot lay out; the same step function unrolled over the static frames can.
+_UNROLLED_RNN = _WhileActive("rnn", lambda original, *a, **kw: original(*a, **{**kw,
+                                                                                "unroll": True}))
 
 
 def _conv_rnn_call(call):
     def wrapped(self, *args, **kwargs):
-        _UnrolledConvRNN.active += 1
-        _ReverseEquivalent.active += 1  # go_backwards reverses the frames
+        _UNROLLED_RNN.active += 1
+        _REVERSE.active += 1  # go_backwards reverses the frames
         try:
             return call(*args, **kwargs)
         finally:
-            _UnrolledConvRNN.active -= 1
-            _ReverseEquivalent.active -= 1
+            _UNROLLED_RNN.active -= 1
+            _REVERSE.active -= 1
     return wrapped
 
 
 def _bidirectional_call(call):
     def wrapped(self, *args, **kwargs):
-        _ReverseEquivalent.active += 1
+        _REVERSE.active += 1
         try:
             return call(*args, **kwargs)
         finally:
-            _ReverseEquivalent.active -= 1
+            _REVERSE.active -= 1
     return wrapped
 
 
@@ -486,7 +471,7 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
         elif kind is L.RandomFlip:
             layer.call = types.MethodType(_random_flip_call, layer)
         elif isinstance(layer, L.Bidirectional):
-            _ReverseEquivalent.install()
+            _REVERSE.install()
             layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
         elif isinstance(layer, L.Embedding) and row_sharded_table(layer) is not None:
             layout = row_sharded_table(layer)
@@ -494,8 +479,8 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             layer._dtk_batch_axis = batch_axis  # pylint: disable=protected-access
             layer.call = types.MethodType(_row_sharded_embedding_call, layer)
         elif type(layer).__name__.startswith("ConvLSTM"):
-            _UnrolledConvRNN.install()
-            _ReverseEquivalent.install()
+            _UNROLLED_RNN.install()
+            _REVERSE.install()
             layer.call = types.MethodType(_conv_rnn_call(layer.call), layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
