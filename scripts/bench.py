@@ -70,7 +70,9 @@ WORKLOADS = {
 MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,model=4",
           "dtk_batch1_model8": "batch=1,model=8", "dtk_batch4_model2_fsdp": "batch=4,model=2",
           "dtk_batch2_model4_nosp": "batch=2,model=4", "dtk_batch2_seq4": "batch=2,seq=4",
-          "dtk_batch2_seq2_model2": "batch=2,seq=2,model=2", "dtk_batch1_seq8": "batch=1,seq=8"}
+          "dtk_batch2_seq2_model2": "batch=2,seq=2,model=2", "dtk_batch1_seq8": "batch=1,seq=8",
+          "dtk_batch2_seq4_gather": "batch=2,seq=4", "dtk_batch2_seq4_a2a": "batch=2,seq=4",
+          "dtk_batch1_seq8_gather": "batch=1,seq=8", "dtk_batch1_seq8_a2a": "batch=1,seq=8"}
 VARIANTS = {
     "floor": "plain tf.function loop, 1 device",
     "keras_fit": "plain tf_keras Model.fit, 1 device",
@@ -91,6 +93,10 @@ VARIANTS = {
     "dtk_batch2_seq4": "LM: batch=2,seq=4 (context parallelism: the sequence sharded over seq)",
     "dtk_batch2_seq2_model2": "LM: batch=2,seq=2,model=2 (context x tensor parallelism)",
     "dtk_batch1_seq8": "LM: batch=1,seq=8 (the sequence sharded over every device)",
+    "dtk_batch2_seq4_gather": "LM: batch=2,seq=4, attention gathers keys and values (all-gather)",
+    "dtk_batch2_seq4_a2a": "LM: batch=2,seq=4, attention all-to-all to heads (Ulysses)",
+    "dtk_batch1_seq8_gather": "LM: batch=1,seq=8, all-gather attention",
+    "dtk_batch1_seq8_a2a": "LM: batch=1,seq=8, all-to-all attention (Ulysses)",
     "dtk_batch8_sparse": "recsys: dtk Steps, batch=8, tables row-sharded over batch, lazy Adam (sparse)",
     "dtk_batch4_model2_sparse": "recsys: dtk Steps, batch=4,model=2, tables row-sharded over model, lazy Adam",
 }
@@ -316,6 +322,10 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         if variant.endswith("_nosp"):  # the same table without Megatron's sequence parallelism
             import dataclasses  # pylint: disable=g-import-not-at-top
             table = dataclasses.replace(table, sequence_parallel_axis=None)
+        for suffix, mode in (("_gather", "all_gather"), ("_a2a", "all_to_all")):
+            if variant.endswith(suffix):  # attention over the sharded sequence, fixed
+                import dataclasses  # pylint: disable=g-import-not-at-top
+                table = dataclasses.replace(table, sequence_attention=mode)
         model, _ = layouts.build_model(factory, mesh, table, seed=0, fsdp="_fsdp" in variant)
         if spec.get("keras_rng"):  # undo dtk.parallel.randomness: Keras's generator, per-device draws
             from tf_keras.src import backend  # pylint: disable=g-import-not-at-top

@@ -62,6 +62,50 @@ SHIM = ("import atexit, resource, runpy, sys; "
 PEAK = re.compile(r"\[client (\d+)\] DTK_PEAK_RSS (\d+)")
 
 
+def _flag(flags: list[str], name: str, default=None):
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def planned_memory(args, names: list[str]) -> dict[str, dict]:
+    """The planner's bytes per device for each variant, activations included
+    (``dtk.planning.planner.candidate_memory``: one plain call of the model on one example, in a
+    process of its own that ends before the clients start)."""
+    code = f"""
+import json, functools, sys
+sys.path.insert(0, {REPO!r})
+from dtk import models
+from dtk.parallel import layouts
+from dtk.planning import planner
+from dtk.data import text
+args, variants = json.loads(sys.argv[1])
+out = {{}}
+for name, flags in variants.items():
+    get = lambda n, d=None: flags[flags.index(n) + 1] if n in flags else d
+    factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=args["seq_len"],
+                                dim=args["dim"], heads=args["heads"], layers=args["layers"],
+                                attention=get("--attention", "mha"), block_size=128)
+    profile = planner.profile_model(factory, (args["seq_len"],), input_dtype="int32")
+    sizes = dict(kv.split("=") for kv in get("--mesh").split(","))
+    sizes = {{k: int(v) for k, v in sizes.items()}}
+    table = layouts.load_table("transformer_lm")
+    fsdp = "--fsdp" in flags
+    plan = layouts.plan_weights(table, planner._Axes(sizes), profile.weights,
+                                fsdp_paths=[p for p, _, _ in profile.weights] if fsdp else ())
+    update = "fsdp" if fsdp else ("zero" if "--shard_optimizer_state" in flags else "replicated")
+    remat = models.MODEL_SPECS["lm"].remat if "--remat" in flags else ()
+    out[name] = planner.candidate_memory(profile, plan, update=update, remat=remat,
+                                         rows_per_device=args["global_batch_size"] // sizes["batch"])
+print("DTK_PLANNED", json.dumps(out))
+"""
+    variants = {name: VARIANTS[name] for name in names}
+    res = subprocess.run([sys.executable, "-c", code, json.dumps([vars(args), variants])],
+                         capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+    for line in res.stdout.splitlines():
+        if line.startswith("DTK_PLANNED "):
+            return json.loads(line.split(" ", 1)[1])
+    raise SystemExit(f"error: planning the variants failed: {res.stderr.strip()[-400:]}")
+
+
 def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="dtk-bench-memory-") as tmp:
         summary = os.path.join(tmp, "summary.json")
@@ -87,6 +131,7 @@ def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> 
     return {"variant": name, "dim": dim, "peak_rss_per_client": [peaks[c] for c in sorted(peaks)],
             "planned_per_device": planned,
             "planned_per_client": planned.get("total", 0) * args.devices_per_client,
+            "seq_len": args.seq_len, "global_batch_size": args.global_batch_size,
             "ms_per_step": data.get("ms_per_step_median"), "first_step_s": data.get("first_step_s")}
 
 
@@ -95,22 +140,26 @@ def _mib(n: float) -> str:
 
 
 def table(rows: list[dict], baseline: dict | None) -> str:
+    """One line a variant: the plan's bytes per device (weights + optimizer state + gradients +
+    FSDP's gathered weights + activations, the planner's estimate), per client, the measured peak
+    RSS per client, its excess over the baseline, and that excess over the plan."""
     base = max(baseline["peak_rss_per_client"]) if baseline and "error" not in baseline else 0
-    lines = ["variant       planned/device MiB (weights+state, gathered)  planned/client MiB  "
-             "peak RSS/client MiB (max)  over baseline MiB  bound MiB  ms/step"]
+    lines = ["variant                 planned/device MiB (w+opt, grads, gathered, activations)"
+             "  planned/client  peak RSS/client  over baseline  over/planned  ms/step"]
     for row in rows:
         if "error" in row:
-            lines.append(f"{row['variant']:<13} {row['error']}")
+            lines.append(f"{row['variant']:<23} {row['error']}")
             continue
         p = row["planned_per_device"]
         peak = max(row["peak_rss_per_client"])
-        bound = base + 1.5 * row["planned_per_client"] if base else 0
+        planned = row["planned_per_client"]
+        ratio = f"{(peak - base) / planned:8.2f}x" if base and planned else "        -"
         ms = f"{row['ms_per_step']:8.1f}" if row["ms_per_step"] else "       -"
         lines.append(
-            f"{row['variant']:<13} {_mib(p.get('weights', 0))} + {_mib(p.get('optimizer', 0))}, "
-            f"{_mib(p.get('gathered_in_step', 0))}        {_mib(row['planned_per_client'])}      "
-            f"{_mib(peak)}                  {_mib(peak - base) if base else '       -'}  "
-            f"{_mib(bound) if base else '       -'}  {ms}")
+            f"{row['variant']:<23} {_mib(p.get('weights', 0) + p.get('optimizer', 0))}, "
+            f"{_mib(p.get('gradients', 0))}, {_mib(p.get('gathered', p.get('gathered_in_step', 0)))}"
+            f", {_mib(p.get('activations', 0))}          {_mib(planned)}        {_mib(peak)}"
+            f"       {_mib(peak - base) if base else '       -'}     {ratio}  {ms}")
     return "\n".join(lines)
 
 
@@ -125,6 +174,10 @@ def main() -> int:
     parser.add_argument("--num_clients", type=int, default=4)
     parser.add_argument("--devices_per_client", type=int, default=2)
     parser.add_argument("--baseline_dim", type=int, default=128)
+    parser.add_argument("--baseline_variant", default="tp", help="the baseline's variant (its "
+                        "mesh must suit --heads: tp needs heads divisible by 8)")
+    parser.add_argument("--baseline_seq_len", type=int, help="the baseline's --seq_len "
+                        "(default --seq_len; long contexts: a short one, the fixed cost)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     parser.add_argument("--json", help="write the rows here")
@@ -134,12 +187,21 @@ def main() -> int:
     if unknown:
         print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}", file=sys.stderr)
         return 2
-    baseline = run_variant("tp", VARIANTS["tp"], args, args.baseline_dim, args.timeout)
-    baseline["variant"] = f"baseline (dim {args.baseline_dim}, tp)"
+    planned = planned_memory(args, names)
+    seq_len = args.seq_len
+    args.seq_len = args.baseline_seq_len or seq_len
+    baseline = run_variant(args.baseline_variant, VARIANTS[args.baseline_variant], args,
+                           args.baseline_dim, args.timeout)
+    args.seq_len = seq_len
+    baseline["variant"] = f"baseline (dim {args.baseline_dim}, {args.baseline_variant})"
+    baseline["planned_per_client"] = 0
     print(table([baseline], None), flush=True)
     rows = []
     for name in names:
         rows.append(run_variant(name, VARIANTS[name], args, args.dim, args.timeout))
+        if "error" not in rows[-1]:
+            rows[-1]["planned_per_device"] = planned[name]
+            rows[-1]["planned_per_client"] = planned[name]["total"] * args.devices_per_client
         print(table([rows[-1]], baseline).splitlines()[-1], flush=True)
     print("\n" + table([baseline, *rows], baseline))
     if args.json:

@@ -14,6 +14,7 @@ same ``--checkpoint_dir`` resumes. Errors are one ``error:`` line, exit status 2
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -37,6 +38,10 @@ flags.DEFINE_float("dropout", 0.0, "Dropout rate (the same masks on every mesh: 
 flags.DEFINE_enum("attention", "mha", ["mha", "blockwise"], "Attention: tf_keras "
                   "MultiHeadAttention (scores [rows, heads, T, T]) or blockwise (memory linear in T; "
                   "no attention dropout).")
+flags.DEFINE_enum("sequence_attention", None, ["auto", "all_gather", "all_to_all"],
+                  "On a mesh with a seq axis: attention gathers keys and values (all_gather), "
+                  "re-shards to heads (all_to_all, Ulysses), or auto (the faster on the mesh, "
+                  "timed); default: the layout table's (transformer_lm: auto).")
 flags.DEFINE_integer("block_size", 128, "Keys per block of blockwise attention (divides --seq_len).")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
@@ -133,6 +138,8 @@ def _setup():
             return None, None, table, factory, None, None, auto_plan
         cli.apply_plan(FLAGS, auto_plan)
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
+    if FLAGS.sequence_attention:
+        table = dataclasses.replace(table, sequence_attention=FLAGS.sequence_attention)
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,

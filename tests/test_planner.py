@@ -45,13 +45,22 @@ def _mib(c):
 def test_candidates_are_every_factorization_times_the_memory_options():
     p = _plan()
     meshes = sorted({c.mesh for c in p.candidates})
-    assert meshes == ["batch=1,model=8", "batch=2,model=4", "batch=4,model=2", "batch=8"]
-    # (zero, fsdp) x (remat or not) per mesh; FSDP has nothing to shard over on batch=1
-    assert len(p.candidates) == 3 * 4 + 2
+    # the LM marks its sequence: the table's seq axis is a candidate too
+    assert meshes == sorted(["batch=1,model=8", "batch=2,model=4", "batch=4,model=2", "batch=8",
+                             "batch=1,seq=8", "batch=2,seq=4", "batch=4,seq=2",
+                             "batch=1,model=2,seq=4", "batch=1,model=4,seq=2",
+                             "batch=2,model=2,seq=2"])
+    # (zero, fsdp) x (remat or not) per mesh; FSDP has nothing to shard over on batch=1, and is
+    # refused with a sharded sequence
+    assert len(p.candidates) == 4 * 2 + 3 * 4 + 2 * 4 + 4
+    refused = [c for c in p.candidates if c.rejected]
+    assert {c.update for c in refused} == {"fsdp"} and all(
+        "seq=" in c.mesh and "FSDP with a sharded sequence" in c.rejected for c in refused)
     assert p.chosen.label == "batch=8 zero"  # no budget: the fastest prediction
-    assert p.chosen.predicted_ms == min(c.predicted_ms for c in p.candidates)
-    # 16 fake devices: 5 factorizations into batch x model
-    assert len({c.mesh for c in _plan(devices=16).candidates}) == 5
+    assert p.chosen.predicted_ms == min(c.predicted_ms for c in p.candidates if c.predicted_ms)
+    # 16 fake devices: 15 factorizations into batch x model x seq; 5 for a model without a
+    # sequence (the MLP on its model-parallel table)
+    assert len({c.mesh for c in _plan(devices=16).candidates}) == 15
 
 
 @pytest.mark.parametrize("devices", [4, 16, 64])
@@ -81,7 +90,7 @@ def test_a_budget_only_1x8_fits_picks_it():
                              layers=2)
     free = _plan(wide, batch=8, lm=True, seq_len=4)
     one_by_eight = [c for c in free.candidates if c.mesh == "batch=1,model=8" and not c.remat][0]
-    others = [c for c in free.candidates if c.mesh != "batch=1,model=8"]
+    others = [c for c in free.candidates if c.mesh != "batch=1,model=8" and not c.rejected]
     assert all(c.memory["total"] > one_by_eight.memory["total"] for c in others)
     p = _plan(wide, batch=8, lm=True, seq_len=4, gb=(one_by_eight.memory["total"] + 1) / 2 ** 30)
     assert p.chosen.mesh == "batch=1,model=8"
@@ -112,7 +121,7 @@ def test_nothing_fits_is_one_error_with_the_arithmetic():
 
 def test_a_batch_the_mesh_cannot_divide_is_a_reason_not_a_crash():
     p = _plan(batch=4)
-    rejected = [c for c in p.candidates if c.rejected]
+    rejected = [c for c in p.candidates if c.rejected and "FSDP" not in c.rejected]
     assert {c.mesh for c in rejected} == {"batch=8"}
     assert "not divisible by batch=8" in rejected[0].rejected
     assert p.chosen.mesh != "batch=8"
@@ -358,3 +367,27 @@ def test_plot_draws_every_candidate_with_the_budget(tmp_path):
     planner.plot_plan(p, str(out))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_the_planner_counts_the_sequence_sharded_over_seq():
+    """Issue 44: a seq axis divides each device's positions. At the same tokens per step a
+    device holds as many positions as on batch=8; with fewer rows than devices (a long context)
+    only the seq meshes run, at 1/8 of the activations; the gathers of keys and values are
+    priced, and explain_plan lists the seq meshes."""
+    long = functools.partial(models.transformer_lm, vocab=256, seq_len=64, dim=64, heads=8,
+                             layers=2)
+    same = {c.label: c for c in _plan(long, batch=8, lm=True, seq_len=64).candidates}
+    act = same["batch=8 zero"].memory["activations"]
+    for label in ("batch=1,seq=8 zero", "batch=2,seq=4 zero"):
+        assert same[label].memory["activations"] == pytest.approx(act, rel=0.02), label
+    assert same["batch=2,seq=4 zero"].predicted_ms > same["batch=8 zero"].predicted_ms
+    one_row = _plan(long, batch=1, lm=True, seq_len=64)
+    by = {c.label: c for c in one_row.candidates}
+    assert "not divisible by batch=8" in by["batch=8 zero"].rejected
+    assert by["batch=1,seq=8 zero"].memory["activations"] == pytest.approx(act / 8, rel=0.02)
+    text = one_row.explain()
+    assert "batch=1,seq=8 zero" in text and "a seq axis: each attention layer's keys" in text
+    # a sequence length the axis cannot divide is a reason, not a crash
+    odd = {c.label: c for c in _plan(functools.partial(long, seq_len=12), batch=8, lm=True,
+                                     seq_len=12).candidates}
+    assert odd["batch=1,seq=8 zero"].rejected == "sequence length 12 is not divisible by seq=8"

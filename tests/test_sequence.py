@@ -2,7 +2,11 @@
 over a ``seq`` axis and Megatron's sequence parallelism over ``model``, against one device, with
 dropout, and across a resume onto another mesh."""
 
+import dataclasses
 import functools
+import logging
+
+import re
 
 import numpy as np
 import pytest
@@ -27,9 +31,14 @@ def _data():
             rng.integers(0, 64, (N, B, SEQ)).astype(np.int64))
 
 
-def _losses(spec, n=N):
+def _table_with(attention):
+    table = layouts.load_table("transformer_lm")
+    return dataclasses.replace(table, sequence_attention=attention) if attention else table
+
+
+def _losses(spec, n=N, attention=None, factory=FACTORY):
     mesh = dtk.build_mesh(spec)
-    model, _ = layouts.build_model(FACTORY, mesh, "transformer_lm", seed=7)
+    model, _ = layouts.build_model(factory, mesh, _table_with(attention), seed=7)
     steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
                       optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
                       config=dtk.StepConfig(shard_optimizer_state=False))
@@ -63,6 +72,35 @@ def test_the_lm_with_dropout_trains_like_one_device_with_its_sequence_sharded(sp
     model, mesh, losses = _losses(spec)
     np.testing.assert_allclose(losses, _one_device(), rtol=1e-5)
     assert _stream_layout(model, mesh) == stream
+
+
+@pytest.mark.parametrize("spec, attention", [
+    ("batch=2,seq=4", "all_to_all"),
+    pytest.param("batch=2,seq=4", "all_gather", marks=pytest.mark.slow),
+    pytest.param("batch=1,seq=8", "all_to_all", marks=pytest.mark.slow),
+])
+def test_both_ways_of_attention_over_the_sequence_train_like_one_device(spec, attention):
+    """Attention with its keys and values gathered, and re-sharded to heads by an all-to-all
+    (Ulysses; 8 heads over seq): the losses of batch=1 with dropout (1e-5), attention's too."""
+    model, _, losses = _losses(spec, attention=attention)
+    np.testing.assert_allclose(losses, _one_device(), rtol=1e-5)
+    relayout = getattr(model.get_layer("block0_attn"), "_dtk_all_to_all", None)
+    assert (relayout is not None) == (attention == "all_to_all")
+
+
+def test_auto_times_both_ways_on_the_mesh_and_says_which(caplog):
+    sequence._TIMED.clear()  # pylint: disable=protected-access
+    with caplog.at_level(logging.INFO, logger="dtk"):
+        model, _, losses = _losses("batch=2,seq=4", n=3, attention="auto")
+    line = next(r.getMessage() for r in caplog.records if "sharded along the sequence" in
+                r.getMessage())
+    found = re.search(r"all-to-all ([\d.]+) ms, all-gather ([\d.]+) ms", line)
+    assert found, line
+    a2a, gather = map(float, found.groups())
+    chosen = model.get_layer("block0_attn")._dtk_all_to_all is not None  # pylint: disable=protected-access
+    assert chosen == (a2a < gather)
+    assert ("all-to-all to heads (Ulysses)" in line) == chosen
+    np.testing.assert_allclose(losses, _one_device()[:3], rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -112,6 +150,11 @@ def _table(tmp_path, body):
     ("plain_table", r"mesh axis 'seq' of size 4 shards no weight and no input"),
     ("fsdp", r"fsdp=True \(--fsdp\) with the sequence sharded over mesh axis 'seq' \(size 4\) "
              r"fails inside DTensor; drop --fsdp"),
+    ("heads", r"sequence_attention = \"all_to_all\" \(layout table\) cannot run: attention layer "
+              r"'block0_attn' has 2 heads, which mesh axis 'seq' of size 4 cannot divide .* Use "
+              r"heads divisible by 4, or sequence_attention = \"all_gather\""),
+    ("attention_key", r"sequence_attention 'ulysses' must be \"auto\", \"all_gather\" or "
+                      r"\"all_to_all\""),
 ])
 def test_bad_sequence_sharding_is_one_value_error(tmp_path, case, message):
     mesh = dtk.build_mesh("batch=2,seq=4")
@@ -125,6 +168,12 @@ def test_bad_sequence_sharding_is_one_value_error(tmp_path, case, message):
             layouts.build_model(models.mnist_mlp, mesh, table, seed=0)
         elif case == "fsdp":
             layouts.build_model(FACTORY, mesh, "transformer_lm", seed=0, fsdp=True)
+        elif case == "heads":
+            layouts.build_model(functools.partial(FACTORY, heads=2), mesh,
+                                _table_with("all_to_all"), seed=0)
+        elif case == "attention_key":
+            layouts.load_table(_table(tmp_path, 'axes = ["batch", "seq"]\nsequence_axis = "seq"\n'
+                                                'sequence_attention = "ulysses"\n'))
         elif case == "table_axis":
             layouts.load_table(_table(tmp_path, 'axes = ["batch", "seq"]\nsequence_axis = "sq"\n'))
         else:

@@ -88,6 +88,9 @@ class LayoutTable:
     # ``sequence_parallel_axis`` (Megatron's sequence parallelism on the tensor-parallel axis).
     sequence_axis: str | None = None
     sequence_parallel_axis: str | None = None
+    # How attention meets a sequence sharded over ``sequence_axis``: "all_gather" (keys and values
+    # gathered), "all_to_all" (Ulysses: heads split over the axis), or "auto" (timed on the mesh).
+    sequence_attention: str = "auto"
 
 
 def shipped_tables_dir() -> Path:
@@ -151,10 +154,12 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
         raise ValueError(f"layout table {source}: {message}")
 
     unknown = set(data) - {"name", "description", "axes", "optional_axes", "default", "rules",
-                           "replicated_axes", "sequence_axis", "sequence_parallel_axis"}
+                           "replicated_axes", "sequence_axis", "sequence_parallel_axis",
+                           "sequence_attention"}
     if unknown:
         fail(f"unknown keys {sorted(unknown)}; allowed: name, description, axes, optional_axes, "
-             "replicated_axes, sequence_axis, sequence_parallel_axis, default, rules")
+             "replicated_axes, sequence_axis, sequence_parallel_axis, sequence_attention, "
+             "default, rules")
     axes = tuple(data.get("axes", ()))
     optional = tuple(data.get("optional_axes", ()))
     if not set(optional) <= set(axes):
@@ -162,6 +167,9 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
     for key in ("sequence_axis", "sequence_parallel_axis"):
         if key in data and data[key] not in axes:
             fail(f"{key} {data[key]!r} must be one of the table's axes {list(axes)}")
+    if data.get("sequence_attention", "auto") not in ("auto", "all_gather", "all_to_all"):
+        fail(f"sequence_attention {data['sequence_attention']!r} must be \"auto\", "
+             "\"all_gather\" or \"all_to_all\"")
     default = data.get("default", "replicated")
     if default not in DEFAULTS:
         fail(f"default {default!r} is not one of {', '.join(DEFAULTS)}")
@@ -185,7 +193,8 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
                        optional_axes=optional, default=default, rules=tuple(rules), source=source,
                        replicated_axes=tuple(data.get("replicated_axes", ())),
                        sequence_axis=data.get("sequence_axis"),
-                       sequence_parallel_axis=data.get("sequence_parallel_axis"))
+                       sequence_parallel_axis=data.get("sequence_parallel_axis"),
+                       sequence_attention=data.get("sequence_attention", "auto"))
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -715,7 +724,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                  *sequence.configure(model, mesh, batch_axis=BATCH_AXIS,
                                      sequence_axis=plan.table.sequence_axis,
                                      sequence_parallel_axis=plan.table.sequence_parallel_axis,
-                                     table_name=plan.table.name, fsdp=fsdp)]:
+                                     table_name=plan.table.name, fsdp=fsdp,
+                                     attention=plan.table.sequence_attention)]:
         _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).

@@ -12,6 +12,17 @@ parallelism): each all-reduce of a row-parallel layer becomes a reduce-scatter, 
 the next column-parallel layer an all-gather, the same bytes, with 1/model of those activations a
 device.
 
+Attention over a sharded sequence runs one of two ways (the layout table's ``sequence_attention``):
+
+* ``all_gather`` (context parallelism as above): keys' and values' input gathered over ``seq``; the
+  key and value projections of every position run on each device.
+* ``all_to_all`` (DeepSpeed-Ulysses): the projections run on each device's own positions, then
+  one relayout of queries, keys and values from sharded along the sequence to sharded by head over
+  ``seq`` (an all-to-all), attention of whole sequences for ``heads / seq`` heads, and one back.
+  It needs the heads divisible by the axis and not already split over another axis (``model``).
+* ``auto`` (the default): where both can run, one attention layer's forward and backward pass is
+  timed both ways on the mesh and the faster one is used; the log says which, with the times.
+
 DTensor computes in the global view, so causal masks, position embeddings and dtk's dropout draws
 (``dtk.parallel.randomness``, indexed by global position) are the same on every mesh: the model
 only says where its sequence dim is, with two identity layers:
@@ -27,7 +38,10 @@ Outside a mesh, or on a mesh with no sequence axis, both are the identity. ``con
 
 from __future__ import annotations
 
+import json
 import logging
+import statistics
+import time
 
 import tensorflow as tf
 import tf_keras
@@ -67,6 +81,12 @@ class SequenceGather(tf_keras.layers.Layer):
         return {**super().get_config(), "megatron_only": self.megatron_only}
 
 
+ATTENTION_MODES = ("auto", "all_gather", "all_to_all")
+# (mesh, layer config, input shape, axis) -> {mode: ms}: a model built again on the same mesh
+# (a resume, an evaluation copy) is not timed again.
+_TIMED: dict[str, dict[str, float]] = {}
+
+
 def _layout_fn(mesh: dtensor.Mesh, batch_axis: str, seq_axis: str | None):
     unsharded = dtensor.UNSHARDED
 
@@ -95,9 +115,163 @@ def choose_axis(mesh: dtensor.Mesh, *, sequence_axis: str | None,
     return None, ""
 
 
+def attention_layers(model: tf_keras.Model) -> list[tf_keras.layers.MultiHeadAttention]:
+    return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+            if isinstance(layer, tf_keras.layers.MultiHeadAttention)]
+
+
+def _all_to_all_obstacle(layer, mesh: dtensor.Mesh, axis: str) -> str | None:
+    """Why ``layer`` cannot split its heads over ``axis`` (None: it can)."""
+    size = mesh.dim_size(axis)
+    heads = layer._num_heads  # pylint: disable=protected-access
+    if heads % size:
+        return (f"attention layer {layer.name!r} has {heads} heads, which mesh axis {axis!r} of "
+                f"size {size} cannot divide (the all-to-all gives each device heads / {size})")
+    kernel = getattr(getattr(layer, "_query_dense", None), "kernel", None)
+    if kernel is not None:
+        try:
+            split = dtensor.fetch_layout(kernel).sharding_specs[1]
+        except (ValueError, TypeError, IndexError, tf.errors.InvalidArgumentError):
+            split = dtensor.UNSHARDED
+        if split != dtensor.UNSHARDED:
+            return (f"attention layer {layer.name!r} has its heads split over mesh axis "
+                    f"{split!r} already (a tensor dim takes one mesh axis)")
+    return None
+
+
+def _all_to_all(x, mesh: dtensor.Mesh, batch: str, axis: str, *, to_heads: bool):
+    """``[B, T, heads, d]`` from sharded on T over ``axis`` to sharded on heads, or back.
+
+    DTensor's all-to-all scrambles the elements of a rank-4 tensor whose newly sharded dim is
+    followed by another of size > 1 (measured, TF 2.21): it runs on ``[B, T, heads * d]`` instead,
+    where the heads are the outer part of the last dim."""
+    _, t, h, d = x.shape
+    u = dtensor.UNSHARDED
+    on_seq, on_heads = [batch, axis, u], [batch, u, axis]
+    src, dst = (on_seq, on_heads) if to_heads else (on_heads, on_seq)
+    flat = dtensor.relayout(tf.reshape(x, [-1, t, h * d]), dtensor.Layout(src, mesh))
+    flat = dtensor.relayout(flat, dtensor.Layout(dst, mesh))
+    return dtensor.relayout(tf.reshape(flat, [-1, t, h, d]), dtensor.Layout(dst + [u], mesh))
+
+
+def _install_all_to_all(layer) -> None:
+    """Wraps ``layer._compute_attention``: with ``layer._dtk_all_to_all = (mesh, batch axis,
+    sequence axis)``, queries, keys and values ``[B, T, heads, d]`` go from sharded on T to
+    sharded on heads before attention, and its output back after (read when traced)."""
+    if getattr(layer, "_dtk_original_attention", None) is not None:
+        return
+    original = layer._compute_attention  # pylint: disable=protected-access
+
+    def compute(query, key, value, attention_mask=None, training=None):
+        where = getattr(layer, "_dtk_all_to_all", None)
+        if where is None:
+            return original(query, key, value, attention_mask, training)
+        query, key, value = (_all_to_all(t, *where, to_heads=True) for t in (query, key, value))
+        out, scores = original(query, key, value, attention_mask, training)
+        return _all_to_all(out, *where, to_heads=False), scores
+
+    object.__setattr__(layer, "_dtk_original_attention", original)
+    object.__setattr__(layer, "_compute_attention", compute)
+
+
+def _time_attention(layer, mesh: dtensor.Mesh, batch_axis: str, axis: str,
+                    all_to_all: tuple) -> dict[str, float]:
+    """ms of one forward and backward pass of ``layer`` on the mesh, each way (median of 3,
+    alternating, after one call each to trace)."""
+    shape = [d for d in layer._query_shape]  # pylint: disable=protected-access
+    rows = mesh.dim_size(batch_axis) if batch_axis in mesh.dim_names else 1
+    shape = [rows, *(int(d) for d in shape[1:])]
+    key = json.dumps([str(mesh), {k: v for k, v in layer.get_config().items() if k != "name"},
+                      shape, axis], sort_keys=True, default=str)
+    if key in _TIMED:
+        return _TIMED[key]
+    batch = batch_axis if batch_axis in mesh.dim_names else dtensor.UNSHARDED
+    rest = [dtensor.UNSHARDED] * (len(shape) - 2)
+    sharded = dtensor.Layout([batch, axis, *rest], mesh)
+    whole = dtensor.Layout([batch, dtensor.UNSHARDED, *rest], mesh)
+    x = dtensor.call_with_layout(tf.ones, sharded, shape, dtype=layer.compute_dtype)
+
+    def traced(mode):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                kv = dtensor.relayout(x, whole) if mode == "all_gather" else x
+                loss = tf.reduce_sum(layer(x, kv, kv, use_causal_mask=True))
+            grads = tape.gradient(loss, [x, *layer.trainable_variables])
+            return tf.add_n([tf.cast(tf.reduce_sum(g), tf.float32) for g in grads])
+
+        object.__setattr__(layer, "_dtk_all_to_all", all_to_all if mode == "all_to_all" else None)
+        try:
+            step(x).numpy()  # traced with this mode
+        finally:
+            object.__setattr__(layer, "_dtk_all_to_all", None)
+        return step
+
+    steps = {mode: traced(mode) for mode in ("all_gather", "all_to_all")}
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(3):
+        for mode, step in steps.items():
+            start = time.perf_counter()
+            step(x).numpy()
+            times[mode].append((time.perf_counter() - start) * 1e3)
+    _TIMED[key] = {mode: statistics.median(t) for mode, t in times.items()}
+    return _TIMED[key]
+
+
+def _agree(choice: str) -> str:
+    """Client 0's choice on every client (timings differ between clients)."""
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    if not cluster.is_multi_client():
+        return choice
+    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+    ctx = context.context()
+    key = f"dtk/sequence/attention/{len(_AGREED)}"
+    _AGREED.append(key)
+    if cluster.is_lead_client():
+        ctx.set_config_key_value(key, choice)
+        return choice
+    return ctx.get_config_key_value(key, timeout_in_ms=600_000)
+
+
+_AGREED: list[str] = []
+
+
+def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: str,
+                         mode: str) -> tuple[str, str]:
+    """Chooses and installs how attention meets the sequence sharded over ``axis``: returns
+    ``(mode, why)``."""
+    layers = attention_layers(model)
+    if not layers:
+        return "all_gather", "no attention layer"
+    obstacle = next((o for layer in layers if (o := _all_to_all_obstacle(layer, mesh, axis))),
+                    None)
+    if mode == "all_to_all" and obstacle:
+        raise ValueError(
+            f"sequence_attention = \"all_to_all\" (layout table) cannot run: {obstacle}. Use "
+            f"heads divisible by {mesh.dim_size(axis)}, or sequence_attention = \"all_gather\"")
+    where = (mesh, batch_axis if batch_axis in mesh.dim_names else dtensor.UNSHARDED, axis)
+    why = "as the layout table says"
+    if mode == "auto":
+        if obstacle:
+            mode, why = "all_gather", f"all-to-all cannot run: {obstacle}"
+        else:
+            _install_all_to_all(layers[0])
+            ms = _time_attention(layers[0], mesh, batch_axis, axis, where)
+            mode = _agree(min(ms, key=ms.get))
+            why = (f"measured on this mesh, one attention layer forward and backward: all-to-all "
+                   f"{ms['all_to_all']:.1f} ms, all-gather {ms['all_gather']:.1f} ms")
+    for layer in layers:
+        _install_all_to_all(layer)
+        object.__setattr__(layer, "_dtk_all_to_all",
+                           where if mode == "all_to_all" else None)
+    return mode, why
+
+
 def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
               sequence_axis: str | None, sequence_parallel_axis: str | None,
-              table_name: str = "", fsdp: bool = False) -> list[str]:
+              table_name: str = "", fsdp: bool = False,
+              attention: str = "auto") -> list[str]:
     """Gives the model's sequence layers their layouts on ``mesh``; returns lines for the log.
 
     FSDP's gathered weights and a sharded sequence fail together inside DTensor (a reshape of the
@@ -142,8 +316,18 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
     for layer in layers:
         if isinstance(layer, SequenceSharding):
             layer._dtk_layout = shard  # pylint: disable=protected-access
-        elif kind == "megatron" or not layer.megatron_only:
+    mode, why = ("", "")
+    if kind == "context":
+        mode, why = _configure_attention(model, mesh, batch_axis=batch_axis, axis=axis,
+                                         mode=attention)
+    for layer in layers:
+        if isinstance(layer, SequenceGather) and (
+                kind == "megatron" or (not layer.megatron_only and mode == "all_gather")):
             layer._dtk_layout = gather  # pylint: disable=protected-access
-    what = ("context parallelism: attention gathers keys and values over it" if kind == "context"
-            else "Megatron sequence parallelism: all-reduces become reduce-scatters + all-gathers")
+    if kind == "context":
+        what = ("context parallelism; attention: " + (
+            "all-to-all to heads (Ulysses)" if mode == "all_to_all"
+            else "keys and values gathered (all-gather)") + f", {why}")
+    else:
+        what = "Megatron sequence parallelism: all-reduces become reduce-scatters + all-gathers"
     return [f"activations sharded along the sequence over {axis!r} ({size} devices; {what})"]

@@ -130,6 +130,11 @@ class ModelProfile:
     input_shape: tuple[int, ...] = ()
     input_dtype: str = "float32"
     outputs: int = 1  # the last dim of the output: the label range of the timed steps
+    # The sequence (dtk.parallel.sequence): its length where the model marks it (0: no sequence
+    # layers), and each attention layer's (name, key/value input elements per example, itemsize,
+    # heads), for the gather of keys and values over a ``seq`` axis.
+    sequence_length: int = 0
+    attention: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def signature(self) -> str:
@@ -203,6 +208,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     The plain build holds the model once on this host (the planner runs before any mesh).
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     model = layouts._check_factory_result(model_factory())  # pylint: disable=protected-access
     if input_shape is None or input_dtype is None:
@@ -225,6 +231,8 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
                    if isinstance(t, tf.Tensor))
 
     originals = []
+    sequence_length = [0]
+    attention: dict[int, tuple[str, int, int, int]] = {}
     calls = [0]  # records made so far: a layer none of whose sublayers ran counts as a leaf
 
     def every_layer(layer, prefix):
@@ -239,8 +247,15 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
             def call(*args, __layer=layer, __name=name, __call=original, **kwargs):
                 before = calls[0]
                 out = __call(*args, **kwargs)
+                if isinstance(__layer, tf_keras.layers.MultiHeadAttention):
+                    value = args[1] if len(args) > 1 else kwargs.get("value")
+                    attention[id(__layer)] = (__name, elements(value), value.dtype.size,
+                                              __layer._num_heads)  # pylint: disable=protected-access
                 if isinstance(__layer, _identity_layers()):
-                    return out  # marks where the sequence is sharded; keeps nothing of its own
+                    # marks where the sequence is sharded; keeps nothing of its own
+                    if args and len(args[0].shape) > 1 and not sequence_length[0]:
+                        sequence_length[0] = int(args[0].shape[1])
+                    return out
                 if calls[0] != before:
                     return out  # its sublayers ran and were counted (an LSTM's fused kernel
                                 # never calls its cell: then the LSTM itself is counted)
@@ -266,7 +281,8 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     weights = tuple((p, tuple(int(s) for s in v.shape), v.dtype.name) for p, v in paths)
     return ModelProfile(weights=weights, layers=tuple(records.values()),
                         input_shape=tuple(int(d) for d in input_shape), input_dtype=input_dtype,
-                        outputs=int(model.output_shape[-1]))
+                        outputs=int(model.output_shape[-1]), sequence_length=sequence_length[0],
+                        attention=tuple(attention.values()))
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -295,11 +311,32 @@ def _column_axis(dims: Sequence[str | None] | None) -> str | None:
     return dims[1] if len(dims) == 3 and dims[0] is None else None
 
 
-def _layer_split(layer: LayerProfile, dims_of: dict[str, tuple], sizes: dict[str, int]) -> int:
-    """How many ways the layer's output is split (a column-parallel kernel)."""
+def _layer_split(layer: LayerProfile, dims_of: dict[str, tuple], sizes: dict[str, int],
+                 sequence: tuple[str, int] | None = None) -> int:
+    """How many ways the layer's output is split: a column-parallel kernel, times the sequence
+    axis (``sequence``: its name and size, see ``_sequence_split``) where it is another axis."""
     kernel = _kernel(layer)
     axis = _column_axis(dims_of.get(kernel)) if kernel else None
-    return sizes.get(axis, 1) if axis else 1
+    split = sizes.get(axis, 1) if axis else 1
+    if sequence and sequence[0] != axis:
+        split *= sequence[1]
+    return split
+
+
+def _sequence_split(profile: ModelProfile, table, sizes: dict[str, int], *,
+                    fsdp: bool) -> tuple[str, int] | None:
+    """The axis the model's activations are sharded on along the sequence, and its size, as
+    ``dtk.parallel.sequence.choose_axis`` would choose it (None: not sharded). An estimate: every
+    activation of a model with sequence layers is counted as carrying the sequence dim."""
+    if not profile.sequence_length or table is None:
+        return None
+    seq = table.sequence_axis
+    if seq and sizes.get(seq, 1) > 1:
+        return seq, sizes[seq]
+    sp = table.sequence_parallel_axis
+    if sp and not fsdp and sizes.get(sp, 1) > 1:
+        return sp, sizes[sp]
+    return None
 
 
 def _block(layer: LayerProfile, remat: Sequence[str]) -> str | None:
@@ -311,11 +348,13 @@ def _block(layer: LayerProfile, remat: Sequence[str]) -> str | None:
     return None
 
 
-def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str]) -> int:
+def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str],
+                      sequence: tuple[str, int] | None = None) -> int:
     """Bytes per example live for the backward pass (see the module docstring)."""
     kept, blocks, seen = 0, {}, set()
     for layer in profile.layers:
-        nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes)
+        nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes,
+                                                                      sequence)
         block = _block(layer, remat) if remat else None
         if block is None:
             kept += nbytes
@@ -323,7 +362,7 @@ def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str
         # recomputed: only the block's input is kept; its internals live one block at a time
         if block not in seen:
             seen.add(block)
-            kept += layer.in_elements * layer.itemsize
+            kept += layer.in_elements * layer.itemsize // (sequence[1] if sequence else 1)
         blocks[block] = blocks.get(block, 0) + nbytes
     return kept + max(blocks.values(), default=0)
 
@@ -374,7 +413,9 @@ def candidate_memory(profile: ModelProfile, plan, *, update: str, remat: Sequenc
             else:
                 outside += extra
         gathered = outside + max(per_block.values(), default=0)
-    activations = rows_per_device * _activation_bytes(profile, compute_dims, sizes, remat)
+    sequence = _sequence_split(profile, plan.table, sizes, fsdp=update == "fsdp")
+    activations = rows_per_device * _activation_bytes(profile, compute_dims, sizes, remat,
+                                                      sequence)
     memory = {"weights": stored["weights"], "optimizer": stored["optimizer"],
               "gradients": gradients, "gathered": gathered, "activations": activations}
     memory["total"] = sum(memory.values())
@@ -410,6 +451,19 @@ def _model_axis_ms(profile: ModelProfile, plan, machine: MachineCalibration, row
     return total
 
 
+def _sequence_ms(profile: ModelProfile, plan, machine: MachineCalibration, rows: int) -> float:
+    """The ``seq`` axis's collectives per step, in ms: each attention layer gathers its keys' and
+    values' input over the axis (forward) and reduce-scatters its gradient (backward). The
+    all-to-all alternative moves less (dtk.parallel.sequence times both on the mesh); this is
+    the bound."""
+    seq = getattr(plan.table, "sequence_axis", None)
+    size = dict(plan.mesh_axes).get(seq, 1) if seq else 1
+    if size <= 1 or not profile.sequence_length:
+        return 0.0
+    return sum(2 * machine.gather_ms(size, rows * elements * itemsize)
+               for _, elements, itemsize, _ in profile.attention)
+
+
 def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: StepCalibration,
                *, global_batch_size: int, update: str, remat: bool, microbatches: int,
                remat_patterns: Sequence[str] = ()) -> float:
@@ -420,7 +474,9 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
     k = microbatches
     rows = global_batch_size // b // k
     ms = (step.a_ms + step.e_ms * global_batch_size) * (1 + (step.remat_share if remat else 0.0))
-    ms += k * _model_axis_ms(profile, plan, machine, rows)
+    ms += k * _model_axis_ms(profile, plan, machine, rows) / sizes.get(
+        getattr(plan.table, "sequence_axis", None) or "", 1)
+    ms += k * _sequence_ms(profile, plan, machine, rows)
     if update == "fsdp":
         # Each microbatch gathers the weights (again in the backward pass for remat's blocks);
         # the sharded update gathers them once, after the update. On batch=D the difference is
@@ -465,8 +521,10 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                          optimizer_slots: int = 2) -> list[Candidate]:
     """Every candidate with its memory and (given the calibrations) its predicted time."""
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
-    # The sequence axis is not planned yet: the cost model does not count sharded activations.
-    axes = ["batch"] + [a for a in table.axes if a not in ("batch", table.sequence_axis)]
+    # The sequence axis is a candidate where the model marks its sequence (sequence layers).
+    seq = table.sequence_axis if profile.sequence_length else None
+    axes = ["batch"] + [a for a in table.axes
+                        if a != "batch" and (a != table.sequence_axis or seq)]
     out = []
     for sizes in factorizations(devices, axes):
         mesh = ",".join(f"{a}={n}" for a, n in sizes.items()
@@ -482,6 +540,15 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                                          predicted_ms=None, rejected=(
                         f"global batch {global_batch_size} is not divisible by batch={b}")))
                     continue
+                if seq and sizes.get(seq, 1) > 1:
+                    why = (f"sequence length {profile.sequence_length} is not divisible by "
+                           f"{seq}={sizes[seq]}" if profile.sequence_length % sizes[seq] else
+                           "FSDP with a sharded sequence fails inside DTensor"
+                           if update == "fsdp" else None)
+                    if why:
+                        out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                             predicted_ms=None, rejected=why))
+                        continue
                 try:
                     plan = layouts.plan_weights(
                         table, _Axes(sizes), profile.weights,
@@ -1118,7 +1185,9 @@ def explain_plan(p: Plan) -> str:
     lines.append(f"cost model: {s.a_ms:.1f} ms + {s.e_ms:.3f} ms/example x batch ({where}); remat "
                  f"+{s.remat_share:.0%}; FSDP +{s.fsdp_ms:.1f} ms; a microbatch "
                  f"+{s.microbatch_ms:.1f} ms (FSDP +{s.fsdp_microbatch_ms:.1f} ms) and its "
-                 "gradient reduction; gathers: " + ", ".join(
+                 "gradient reduction; a seq axis: each attention layer's keys and values "
+                 "gathered and their gradient reduce-scattered, activations / seq; gathers: "
+                 + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
                      sorted(p.machine.gather.items())))
     lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "
