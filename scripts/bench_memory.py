@@ -52,6 +52,7 @@ VARIANTS = {
                       "blockwise"],
     "seq8_blockwise": ["--mesh", "batch=1,seq=8", "--noshard_optimizer_state", "--attention",
                        "blockwise"],
+    "seq8": ["--mesh", "batch=1,seq=8", "--noshard_optimizer_state"],
 }
 # Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
 # dtk ends the process early, see dtk.cluster.env.exit_process).

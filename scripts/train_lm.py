@@ -185,18 +185,20 @@ def run() -> dict:
     unigram = text.unigram_bits_per_byte(corpus.train)
     say(f"text: {corpus.source}, {len(corpus.train):,} training and {len(corpus.heldout):,} "
         f"held-out bytes; byte-unigram entropy {unigram:.3f} bits/byte", flush=True)
+    # token ids sharded along the sequence too, where the mesh has the table's sequence axis
+    seq_axis = table.sequence_axis if table.sequence_axis in mesh.dim_names else None
     train = input_lib.DistributedDataset(
         text.windows(corpus.train, seq_len=FLAGS.seq_len).repeat(), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, shuffle=True,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, shuffle=True,
                               seed=FLAGS.seed, steps_per_epoch=FLAGS.eval_every))
     heldout = input_lib.DistributedDataset(
         text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, remainder="pad",
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, remainder="pad",
                               steps_per_epoch=None))
     heldout_batches = min(FLAGS.eval_batches, heldout.num_batches)
     heldout = input_lib.DistributedDataset(
         text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
                               remainder="drop" if heldout_batches < heldout.num_batches else "pad",
                               steps_per_epoch=heldout_batches))
     optimizer = dtk.make_optimizer("adamw", mesh, learning_rate=FLAGS.learning_rate,

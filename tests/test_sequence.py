@@ -36,15 +36,17 @@ def _table_with(attention):
     return dataclasses.replace(table, sequence_attention=attention) if attention else table
 
 
-def _losses(spec, n=N, attention=None, factory=FACTORY):
+def _losses(spec, n=N, attention=None, factory=FACTORY, sequence_axis=None):
     mesh = dtk.build_mesh(spec)
     model, _ = layouts.build_model(factory, mesh, _table_with(attention), seed=7)
     steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
+                      metrics=["accuracy"],
                       optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
                       config=dtk.StepConfig(shard_optimizer_state=False))
     x, y = _data()
     return model, mesh, np.array([float(steps.train(input_lib.pack(
-        mesh, (x[i], y[i], np.ones(B, np.float32))))) for i in range(n)])
+        mesh, (x[i], y[i], np.ones(B, np.float32)), sequence_axis=sequence_axis)))
+        for i in range(n)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +105,39 @@ def test_auto_times_both_ways_on_the_mesh_and_says_which(caplog):
     np.testing.assert_allclose(losses, _one_device()[:3], rtol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["batch=2,seq=4", pytest.param("batch=2,seq=2,model=2",
+                                                                 marks=pytest.mark.slow)])
+def test_inputs_packed_along_the_sequence_train_like_one_device(spec):
+    """InputConfig/pack(sequence_axis="seq"): each device gets its rows' T/seq positions of the
+    token ids and labels (not whole rows), and the losses stay those of batch=1 (1e-5)."""
+    mesh = dtk.build_mesh(spec)
+    x, y = _data()
+    packed = input_lib.pack(mesh, (x[0], y[0], np.ones(B, np.float32)), sequence_axis="seq")
+    seq = mesh.dim_size("seq")
+    assert dtensor.fetch_layout(packed[0]).sharding_specs == ["batch", "seq"]
+    assert dtensor.fetch_layout(packed[2]).sharding_specs == ["batch"]  # rank 1: rows only
+    shards = dtensor.unpack(packed[0])
+    assert shards[0].shape == (B // 2, SEQ // seq)
+    np.testing.assert_array_equal(shards[1].numpy(), x[0][:B // 2, SEQ // seq:2 * SEQ // seq]
+                                  if "model" not in spec else x[0][:B // 2, :SEQ // seq])
+    _, _, losses = _losses(spec, sequence_axis="seq")
+    np.testing.assert_allclose(losses, _one_device(), rtol=1e-5)
+
+
+def test_a_sequence_dim_the_axis_cannot_divide_is_named():
+    mesh = dtk.build_mesh("batch=2,seq=4")
+    with pytest.raises(ValueError, match=r"element 1: sequence dim 1 \(18\) is not divisible by mesh "
+                                         r"axis 'seq' \(size 4\); use a sequence length that is "
+                                         r"a multiple of 4"):
+        input_lib.pack(mesh, (np.zeros((8, 16), np.int32), np.zeros((8, 18), np.int32)),
+                       sequence_axis="seq")
+    with pytest.raises(ValueError, match=r"InputConfig.sequence_axis 'sq' is not an axis of the "
+                                         r"mesh batch=2,seq=4; name one of \['batch', 'seq'\]"):
+        input_lib.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((np.zeros((8, 16)), np.zeros(8))), mesh,
+            input_lib.InputConfig(global_batch_size=8, sequence_axis="sq"))
+
+
 @pytest.mark.slow
 def test_a_resume_onto_another_sequence_mesh_continues_like_one_device(tmp_path):
     """10 steps on batch=2,seq=4, a checkpoint, 10 more on batch=2,seq=2,model=2: the losses of 20
@@ -120,7 +155,8 @@ def test_a_resume_onto_another_sequence_mesh_continues_like_one_device(tmp_path)
                                      steps_per_execution=1, shard_optimizer_state=False,
                                      allow_change=("mesh",)))
         losses = trainer.fit(input_lib.DistributedDataset(data, mesh, input_lib.InputConfig(
-            global_batch_size=B, steps_per_epoch=N // 2)), epochs=epochs).history["loss"]
+            global_batch_size=B, steps_per_epoch=N // 2, sequence_axis="seq")),
+            epochs=epochs).history["loss"]
     one = _one_device()
     np.testing.assert_allclose(losses, [one[:N // 2].mean(), one[N // 2:].mean()], rtol=1e-5)
 

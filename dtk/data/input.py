@@ -89,6 +89,9 @@ class InputConfig:
         for every batch before it is packed. A label out of range inside a DTensor step fails
         the step's collectives, and a process whose collectives failed cannot run DTensor
         collectives again, so the check belongs here.
+      sequence_axis: a mesh axis that dim 1 of every input and label of rank >= 2 is sharded
+        on too (a long sequence's tokens go only to the devices that hold those positions,
+        ``dtk.parallel.sequence``); None, or an axis of size 1: dim 0 only.
     """
 
     global_batch_size: int
@@ -101,6 +104,7 @@ class InputConfig:
     batch_axis: str = BATCH_AXIS
     steps_per_epoch: int | None = None
     num_classes: int | None = None
+    sequence_axis: str | None = None
 
     def __post_init__(self):
         for name in ("global_batch_size", "steps_per_call"):
@@ -161,7 +165,7 @@ def _leaf_names(tree: Any) -> list[str]:
 
 
 def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
-         stacked: bool = False, local: bool = False) -> Any:
+         stacked: bool = False, local: bool = False, sequence_axis: str | None = None) -> Any:
     """Packs global arrays into DTensors sharded on ``batch_axis`` along the batch dim.
 
     Args:
@@ -172,18 +176,27 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
       stacked: whether dim 0 is a stack of batches.
       local: the arrays hold only THIS client's rows of the global batch (scale mode: the rows
         of its batch-axis shards, in order), not the whole global batch.
+      sequence_axis: shard dim 1 of every tensor of rank >= 2 (after the stack dim) on this mesh
+        axis too (``InputConfig.sequence_axis``).
 
     Returns:
       The same nest of DTensors.
 
     Raises:
-      ValueError: a tensor of too low rank, batch dims that differ, or a batch dim not divisible
-        by the batch axis size.
+      ValueError: a tensor of too low rank, batch dims that differ, a batch dim not divisible
+        by the batch axis size, or a sequence dim not divisible by the sequence axis.
     """
     leaves = [np.asarray(t) for t in tf.nest.flatten(tree)]
     names = _leaf_names(tree)
     dim = 1 if stacked else 0
     size = check_batch_axis(mesh, batch_axis)
+    seq = _sequence_axis(mesh, sequence_axis)
+    for name, leaf in zip(names, leaves):
+        if seq and leaf.ndim > dim + 1 and leaf.shape[dim + 1] % mesh.dim_size(seq):
+            raise ValueError(
+                f"{name}: sequence dim {dim + 1} ({leaf.shape[dim + 1]}) is not divisible by mesh "
+                f"axis {seq!r} (size {mesh.dim_size(seq)}); use a sequence length that is a "
+                f"multiple of {mesh.dim_size(seq)}")
     if local:
         size = len(_local_batch_indices(mesh, batch_axis))
     batch = None
@@ -202,8 +215,16 @@ def pack(mesh: dtensor.Mesh, tree: Any, *, batch_axis: str = BATCH_AXIS,
                 f"{name}: dim {dim} ({leaf.shape[dim]}) is not divisible by mesh axis "
                 f"{batch_axis!r} (size {size}); use a global batch size that is a multiple of "
                 f"{size} or set remainder='pad'")
-    packed = [_pack_one(mesh, leaf, dim, batch_axis, size, local) for leaf in leaves]
+    packed = [_pack_one(mesh, leaf, dim, batch_axis, size, local,
+                        seq if leaf.ndim > dim + 1 else None) for leaf in leaves]
     return tf.nest.pack_sequence_as(tree, packed)
+
+
+def _sequence_axis(mesh: dtensor.Mesh, axis: str | None) -> str | None:
+    """``axis`` where it shards anything on ``mesh`` (None: absent or of size 1)."""
+    if axis is None or axis not in mesh.dim_names or mesh.dim_size(axis) == 1:
+        return None
+    return axis
 
 
 def _local_batch_indices(mesh: dtensor.Mesh, batch_axis: str) -> list[int]:
@@ -211,11 +232,14 @@ def _local_batch_indices(mesh: dtensor.Mesh, batch_axis: str) -> list[int]:
     return sorted({loc[batch_axis] for loc in mesh.local_device_locations()})
 
 
-def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int, local: bool = False):
-    layout = batch_layout(mesh, array.ndim - dim, batch_axis=batch_axis)
-    if dim:
-        layout = dtensor.Layout([dtensor.UNSHARDED, *layout.sharding_specs], mesh)
+def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int, local: bool = False,
+              seq: str | None = None):
+    specs = list(batch_layout(mesh, array.ndim - dim, batch_axis=batch_axis).sharding_specs)
+    if seq:
+        specs[1] = seq
+    layout = dtensor.Layout([dtensor.UNSHARDED] * dim + specs, mesh)
     per = array.shape[dim] // size
+    seq_per = array.shape[dim + 1] // mesh.dim_size(seq) if seq else 0
     position = ({b: k for k, b in enumerate(_local_batch_indices(mesh, batch_axis))} if local
                 else None)
     shards = {}
@@ -224,11 +248,14 @@ def _pack_one(mesh, array: np.ndarray, dim: int, batch_axis: str, size: int, loc
         i = location[batch_axis] if mesh.dim_size(batch_axis) > 1 else 0
         if position is not None:
             i = position[i]
-        if i not in shards:
+        j = location[seq] if seq else 0
+        if (i, j) not in shards:
             index = [slice(None)] * array.ndim
             index[dim] = slice(i * per, (i + 1) * per)
-            shards[i] = tf.constant(array[tuple(index)])
-        components.append(shards[i])
+            if seq:
+                index[dim + 1] = slice(j * seq_per, (j + 1) * seq_per)
+            shards[i, j] = tf.constant(array[tuple(index)])
+        components.append(shards[i, j])
     return dtensor.pack(components, layout)
 
 
@@ -324,6 +351,11 @@ class DistributedDataset:
             raise ValueError(
                 f"global_batch_size ({config.global_batch_size}) is not divisible by mesh axis "
                 f"{config.batch_axis!r} (size {size}); use a multiple of {size}")
+        if config.sequence_axis is not None and config.sequence_axis not in mesh.dim_names:
+            raise ValueError(
+                f"InputConfig.sequence_axis {config.sequence_axis!r} is not an axis of the mesh "
+                f"{','.join(f'{n}={mesh.dim_size(n)}' for n in mesh.dim_names)}; name one of "
+                f"{list(mesh.dim_names)}, or None")
         cardinality = _check_dataset(dataset)
         self._dataset = dataset
         self._local = _clients > 1
@@ -497,11 +529,12 @@ class DistributedDataset:
                 return
             if n == 1:
                 yield Batch(*pack(self.mesh, parts[0], batch_axis=self.config.batch_axis,
-                                  local=self._local))
+                                  local=self._local, sequence_axis=self.config.sequence_axis))
             else:
                 stack = tf.nest.map_structure(lambda *a: np.stack(a), *parts)
                 yield Batch(*pack(self.mesh, stack, batch_axis=self.config.batch_axis,
-                                  stacked=True, local=self._local))
+                                  stacked=True, local=self._local,
+                                  sequence_axis=self.config.sequence_axis))
 
     def epoch(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[Batch]:
         """One epoch of the stream: the same batches for the same ``(seed, epoch)``.

@@ -403,7 +403,18 @@ class Steps:
     def _update_metrics(self, loss, count, labels, predictions, weights):
         self.loss_metric.update_state(loss, sample_weight=count)
         for metric in self.metrics:
-            metric.update_state(labels, predictions, sample_weight=weights)
+            metric.update_state(self._metric_labels(labels), predictions, sample_weight=weights)
+
+    def _metric_labels(self, labels):
+        """Labels laid out on the batch axis only (a no-op unless sharded along the sequence too,
+        ``InputConfig.sequence_axis``): Keras metrics' broadcasts of the sample weights fail in
+        DTensor's SPMD expansion on labels sharded on dim 1."""
+        if len(self.mesh.dim_names) == 1 or self.config.batch_axis not in self.mesh.dim_names:
+            return labels
+        return tf.nest.map_structure(
+            lambda t: dtensor.relayout(t, dtensor.Layout.batch_sharded(
+                self.mesh, self.config.batch_axis, t.shape.rank)) if t.shape.rank >= 2 else t,
+            labels)
 
     def _forward_backward(self, batch, count, variables, extra_losses_scale=1.0):
         """Loss (weighted sum over ``batch``, divided by the whole batch's ``count``) and its
@@ -471,7 +482,8 @@ class Steps:
             self.loss_metric.update_state(loss, sample_weight=count)
             if predictions is not None:
                 for metric in self.metrics:
-                    metric.update_state(labels, predictions, sample_weight=weights)
+                    metric.update_state(self._metric_labels(labels), predictions,
+                                        sample_weight=weights)
             return tf.identity(loss)
 
         # The update runs in a region of its own (a cond that is always true; no measurable cost):
@@ -504,7 +516,8 @@ class Steps:
                 part_total, grads, predictions, part_penalty = self._forward_backward(
                     micro, count, variables, extra_losses_scale=1.0 / k)
             for metric in self.metrics:
-                metric.update_state(micro[1], predictions, sample_weight=micro[2])
+                metric.update_state(self._metric_labels(micro[1]), predictions,
+                                    sample_weight=micro[2])
             return (j + 1, total + part_total, penalty + part_penalty,
                     *[a + g for a, g in zip(acc, grads)])
 
