@@ -187,6 +187,19 @@ def test_cli_checkpoint_of_another_model_is_one_line(tmp_path):
 
 
 # -- the library ----------------------------------------------------------------------------------
+class _NoMeshMetric(tf_keras.metrics.Metric):
+    """A user's metric whose class does not take mesh=."""
+
+    def __init__(self, name="no_mesh"):
+        super().__init__(name=name)
+
+    def update_state(self, *args, **kwargs):
+        pass
+
+    def result(self):
+        return 0.0
+
+
 def _mesh():
     return dtk.build_mesh("batch=8")
 
@@ -261,9 +274,9 @@ API_CASES = [  # (id, call, exception, phrase)
      "optimizer must be a name or a tf_keras.optimizers.Optimizer; got int"),
     ("repeated metrics", lambda: dtk.make_metrics(["accuracy", "accuracy"], _mesh()), ValueError,
      "metric names ['accuracy'] are repeated"),
-    ("metric without mesh", lambda: dtk.make_metrics(
-        [tf_keras.metrics.SparseCategoricalAccuracy()], _mesh()), ValueError,
-     "is not bound to the mesh"),
+    ("custom metric without mesh", lambda: dtk.make_metrics([_NoMeshMetric()], _mesh()),
+     ValueError, "is not bound to the mesh: without mesh= it runs under DTensor but reports "
+                 "wrong values, and dtk cannot make it again"),
     ("unknown loss", lambda: dtk.make_loss("hinge_loss"), ValueError, "loss 'hinge_loss' is unknown"),
     ("loss is a number", lambda: dtk.make_loss(42), TypeError, "loss must be a name"),
     ("global batch 0", lambda: input_lib.InputConfig(global_batch_size=0), ValueError,

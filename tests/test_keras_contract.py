@@ -460,3 +460,27 @@ def test_random_flip_equivalent_flips_whole_examples():
     flipped = np.all(out == mirrored, axis=(1, 2, 3))
     assert np.all(same | flipped) and 16 < flipped.sum() < 48, flipped.sum()
     np.testing.assert_array_equal(layer(x, training=False), x)
+
+
+@pytest.mark.parametrize("fill_mode", ["reflect", "wrap", "nearest", "constant"])
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear"])
+def test_the_image_transform_equivalent_matches_tensorflows_op(fill_mode, interpolation):
+    """RandomRotation / RandomTranslation / RandomZoom under dtk (issue 40): dtk's
+    projective_transform gives ImageProjectiveTransformV3's images (1e-5) for random projective
+    transforms (a third of them affine), in every fill mode and interpolation."""
+    from tf_keras.src.layers.preprocessing import image_preprocessing  # pylint: disable=import-outside-toplevel
+    from dtk.parallel import ops as op_support  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.normal(size=(3, 9, 11, 2)).astype(np.float32))
+    for trial in range(12):
+        t = rng.normal(scale=[0.5, 0.5, 4, 0.5, 0.5, 4, 0.01, 0.01], size=(3, 8))
+        t[:, 0] += 1
+        t[:, 4] += 1
+        if trial % 3 == 0:
+            t[:, 6:] = 0
+        t = t.astype(np.float32)
+        want = image_preprocessing.transform(images, t, fill_mode=fill_mode, fill_value=0.5,
+                                             interpolation=interpolation)
+        got = op_support.projective_transform(images, t, fill_mode=fill_mode, fill_value=0.5,
+                                              interpolation=interpolation)
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -120,6 +120,8 @@ TABLE = {
     "ConvLSTM2D(go_backwards)": (*single(lambda: L.ConvLSTM2D(2, 3, go_backwards=True),
                                          "frames2d"), PARITY),
     "ConvLSTM3D": (*single(lambda: L.ConvLSTM3D(2, 2), "frames3d"), PARITY),
+    "ConvLSTM2D(8 filters, valid, strides)": (*single(lambda: L.ConvLSTM2D(
+        8, 3, strides=2, return_sequences=True), "frames2d"), PARITY),
     # normalization
     "BatchNormalization": (*single(lambda: L.BatchNormalization(), "img"), PARITY),
     "LayerNormalization": (*single(lambda: L.LayerNormalization(), "seq"), PARITY),
@@ -189,9 +191,15 @@ TABLE = {
     "RandomContrast": (*single(lambda: L.RandomContrast(0.2), "img"), UNCOVERED),
     "RandomBrightness": (*single(lambda: L.RandomBrightness(0.2), "img"), RANDOM),
     "RandomCrop": (*single(lambda: L.RandomCrop(6, 6), "img"), RANDOM),
-    "RandomRotation": (*single(lambda: L.RandomRotation(0.2), "img"), REFUSED),
-    "RandomTranslation": (*single(lambda: L.RandomTranslation(0.2, 0.2), "img"), REFUSED),
-    "RandomZoom": (*single(lambda: L.RandomZoom(0.2), "img"), REFUSED),
+    "RandomRotation": (*single(lambda: L.RandomRotation(0.2), "img"), RANDOM),
+    "RandomRotation(nearest, constant)": (*single(lambda: L.RandomRotation(
+        0.3, fill_mode="constant", interpolation="nearest", fill_value=0.5), "img"), RANDOM),
+    "RandomTranslation": (*single(lambda: L.RandomTranslation(0.2, 0.2), "img"), RANDOM),
+    "RandomTranslation(wrap)": (*single(lambda: L.RandomTranslation(0.3, 0.3, fill_mode="wrap"),
+                                        "img"), RANDOM),
+    "RandomZoom": (*single(lambda: L.RandomZoom(0.2), "img"), RANDOM),
+    "RandomZoom(nearest fill)": (*single(lambda: L.RandomZoom((-0.3, 0.3), fill_mode="nearest"),
+                                         "img"), RANDOM),
 }
 
 # Layers that cannot be a trained model's layer on their own, with the reason.
@@ -291,7 +299,7 @@ def assert_layouts_match_plan(model, plan, mesh):
 
 # The fast lane runs a row per kind of handling; the whole suite (CI) runs every row.
 FAST_ROWS = {"Dense", "DepthwiseConv2D", "AveragePooling2D(3,2,same)", "LSTM", "Discretization",
-             "Normalization(mean, variance)", "RandomFlip", "Dropout"}
+             "Normalization(mean, variance)", "RandomFlip", "Dropout", "RandomRotation"}
 
 
 def _dtk_losses(factory, mesh, x, y):

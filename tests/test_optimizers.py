@@ -57,8 +57,13 @@ def test_metrics(mesh):
     assert acc._mesh == mesh and top5._mesh == mesh
     custom = tf_keras.metrics.AUC(mesh=mesh)
     assert dtk.make_metrics([custom], mesh) == [custom]
-    with pytest.raises(ValueError, match="not bound to the mesh"):
-        dtk.make_metrics([tf_keras.metrics.Accuracy()], mesh)
+    # A metric object made without mesh= is made again on the mesh from its config, as
+    # compile() takes any metric object (the given one is not updated).
+    unbound = tf_keras.metrics.BinaryAccuracy(name="acc", threshold=0.3)
+    (rebuilt,) = dtk.make_metrics([unbound], mesh)
+    assert rebuilt is not unbound and rebuilt._mesh == mesh
+    assert type(rebuilt) is tf_keras.metrics.BinaryAccuracy
+    assert rebuilt.get_config() == unbound.get_config()
     with pytest.raises(ValueError, match="unknown"):
         dtk.make_metrics(["acuracy"], mesh)
     with pytest.raises(ValueError, match="repeated"):

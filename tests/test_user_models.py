@@ -201,9 +201,6 @@ def test_build_logs_the_equivalents(caplog):
 @pytest.mark.parametrize("factory, words", [
     (lambda: tf_keras.Sequential([tf_keras.Input((None, 4)), L.LSTM(3)]),
      ["'lstm", "static sequence", "fixed"]),
-    (lambda: tf_keras.Sequential([tf_keras.Input((8, 8, 3)), L.RandomRotation(0.1),
-                                  L.Dense(2)]),
-     ["random_rotation", "ImageProjectiveTransformV3", "tf.data"]),
     (lambda: tf_keras.Sequential([tf_keras.Input((None, 6, 6, 1)),
                                   L.ConvLSTM2D(2, 3), L.Flatten(), L.Dense(2)]),
      ["conv_lstm2d", "ConvLSTM2D", "static sequence", "fixed"]),

@@ -711,7 +711,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         fsdp_lib.schedule(model)
     # What the factory compiled the model with, read from the plain build (the laid-out build's
     # optimizer holds placeholder values): dtk.Trainer trains with it when given none.
-    model._dtk_compiled = compiled_settings(reference)  # pylint: disable=protected-access
+    # Untracked: the metric objects in it are not the model's state (a checkpoint would try to
+    # save their never-initialized placeholders).
+    object.__setattr__(model, "_dtk_compiled", compiled_settings(reference))
     if getattr(model, "optimizer", None) is not None:
         # The optimizer the factory compiled under the layout scope holds variables that were
         # never given values (its iteration count): a checkpoint of the model would fail on
@@ -889,6 +891,14 @@ def _map_model_variables(model, layout_map):
         keras_layout_map._set_object_by_path(owner, owner_path, made[id(variable)])  # pylint: disable=protected-access
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         keras_layout_map._config_dvariable_regularization(layer, made)  # pylint: disable=protected-access
+    # State no layer path reaches (a subclassed model's own metric objects, keras.io's VAE:
+    # self.total_loss_tracker = Mean()): replicated, as tf_keras's map would make it.
+    trackables, _ = tf.__internal__.tracking.ObjectGraphView(model).breadth_first_traversal()
+    for trackable in trackables:
+        for name, ref in trackable._trackable_children().items():  # pylint: disable=protected-access
+            if lazy(ref) and id(ref) not in made:
+                made[id(ref)] = keras_layout_map._create_dvariable(  # pylint: disable=protected-access
+                    layout_map, f"{type(trackable).__name__}/{name}", ref)
     # Cached references (a layer's _trainable_weights lists...) to the new variables.
     for path, variable in model._flatten(predicate=lazy, with_path=True):  # pylint: disable=protected-access
         if id(variable) in made:

@@ -86,7 +86,10 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
     UnsupportedOp(
         op="ImageProjectiveTransformV3",
         layers=("RandomRotation", "RandomTranslation", "RandomZoom"),
-        handling="refused before the first step: augment in the tf.data pipeline instead"),
+        handling="equivalent: each output pixel's source point from the image's transform, "
+                 "mapped by fill_mode and read with a batched gather at its 1 (nearest) or 4 "
+                 "(bilinear) neighbours (dtk.parallel.ops.projective_transform); the random "
+                 "transforms drawn mesh-invariantly (dtk.parallel.randomness)"),
     UnsupportedOp(
         op="FusedBatchNormV3",
         layers=("BatchNormalization", "LayerNormalization"),
@@ -229,11 +232,12 @@ class _WhileActive:
     **kwargs)`` computes the adapted value.
     """
 
-    def __init__(self, name: str, replacement):
-        self.name, self.replacement, self.active = name, replacement, 0
+    def __init__(self, name: str, replacement, module: str = "tf_keras.src.backend"):
+        self.name, self.replacement, self.module, self.active = name, replacement, module, 0
 
     def install(self):
-        from tf_keras.src import backend  # pylint: disable=g-import-not-at-top
+        import importlib  # pylint: disable=g-import-not-at-top
+        backend = importlib.import_module(self.module)
         original = getattr(backend, self.name)
         if getattr(original, "_dtk", False):
             return
@@ -255,6 +259,122 @@ _UNROLLED_RNN = _WhileActive("rnn", lambda original, *a, **kw: original(*a, **{*
                                                                                 "unroll": True}))
 
 
+# RandomRotation / RandomTranslation / RandomZoom: tf_keras's image transform (one
+# ImageProjectiveTransformV3 op, no layout propagation) as ``projective_transform``.
+_TRANSFORM = _WhileActive(
+    "transform", lambda original, images, transforms, fill_mode="reflect", fill_value=0.0,
+    interpolation="bilinear", output_shape=None, name=None: projective_transform(
+        images, transforms, fill_mode=fill_mode, fill_value=fill_value,
+        interpolation=interpolation, output_shape=output_shape),
+    module="tf_keras.src.layers.preprocessing.image_preprocessing")
+
+
+def _reflect(coord, size: int):
+    """ImageProjectiveTransformV3's "reflect" fill: ``(d c b a | a b c d | d c b a)``."""
+    if size <= 1:
+        return tf.zeros_like(coord)
+    period = 2.0 * size
+    c = tf.math.floormod(coord, period)  # [0, 2 size)
+    c = tf.where(c >= size, period - c - 1.0, c)
+    return tf.clip_by_value(c, 0.0, size - 1.0)
+
+
+def _wrap(coord, size: int):
+    """"wrap" fill, as TensorFlow's kernel computes it: shifted by ``size`` times the number of
+    ``size - 1`` spans the point lies out (truncated), then clamped."""
+    if size <= 1:
+        return tf.zeros_like(coord)
+    span = float(size - 1)
+    below = coord + size * (tf.floor(-coord / span) + 1.0)  # -coord / span > 0: trunc = floor
+    above = coord - size * tf.floor(coord / span)
+    c = tf.where(coord < 0.0, below, tf.where(coord > span, above, coord))
+    return tf.clip_by_value(c, 0.0, span)
+
+
+def _round_half_away(x):
+    """``std::round``: halves away from zero (``tf.round`` rounds them to even)."""
+    return tf.sign(x) * tf.floor(tf.abs(x) + 0.5)
+
+
+def projective_transform(images, transforms, *, fill_mode: str = "reflect",
+                         fill_value: float = 0.0, interpolation: str = "bilinear",
+                         output_shape=None):
+    """``ImageProjectiveTransformV3`` from ops DTensor lays out: each output pixel's source point
+    from its image's transform, mapped into the image by ``fill_mode``, then read with a batched
+    gather of the flattened image (``tf.gather(..., batch_dims=1)``) at the 1 (nearest) or 4
+    (bilinear) integer points around it. Images ``[B, H, W, C]`` of static size;
+    ``transforms`` ``[B, 8]`` or ``[1, 8]``, Keras's convention (output point -> input point).
+    """
+    if images.shape.rank != 4 or None in images.shape[1:]:
+        raise ValueError(f"dtk's image transform takes images [batch, height, width, channels] "
+                         f"of static size; got {images.shape}")
+    h, w, c = (int(d) for d in images.shape[1:])
+    if output_shape is not None:
+        static = tf.get_static_value(output_shape)
+        if static is None:
+            raise ValueError("dtk's image transform needs a static output_shape")
+        oh, ow = (int(d) for d in static)
+    else:
+        oh, ow = h, w
+    dtype = images.dtype
+    t = tf.cast(transforms, tf.float32)
+    ys, xs = np.meshgrid(np.arange(oh, dtype=np.float32), np.arange(ow, dtype=np.float32),
+                         indexing="ij")
+    x = tf.constant(xs.reshape(1, -1))
+    y = tf.constant(ys.reshape(1, -1))
+    a0, a1, a2, b0, b1, b2, c0, c1 = (t[:, k:k + 1] for k in range(8))
+    k = c0 * x + c1 * y + 1.0
+    degenerate = tf.equal(k, 0.0)
+    k = tf.where(degenerate, tf.ones_like(k), k)
+    in_x = (a0 * x + a1 * y + a2) / k
+    in_y = (b0 * x + b1 * y + b2) / k
+    if fill_mode == "reflect":
+        in_x, in_y = _reflect(in_x, w), _reflect(in_y, h)
+    elif fill_mode == "wrap":
+        in_x, in_y = _wrap(in_x, w), _wrap(in_y, h)
+    elif fill_mode == "nearest":
+        in_x = tf.clip_by_value(in_x, 0.0, w - 1.0)
+        in_y = tf.clip_by_value(in_y, 0.0, h - 1.0)
+    elif fill_mode != "constant":
+        raise ValueError(f"fill_mode {fill_mode!r} is not one of reflect, wrap, nearest, constant")
+    flat = tf.reshape(tf.cast(images, tf.float32), [-1, h * w, c])
+    fill = tf.cast(fill_value, tf.float32)
+
+    def read(py, px):
+        inside = tf.logical_and(tf.logical_and(py >= 0.0, py <= h - 1.0),
+                                tf.logical_and(px >= 0.0, px <= w - 1.0))
+        inside = tf.logical_and(inside, tf.logical_not(degenerate))
+        index = tf.cast(tf.clip_by_value(py, 0.0, h - 1.0) * w
+                        + tf.clip_by_value(px, 0.0, w - 1.0), tf.int32)
+        values = tf.gather(flat, index, axis=1, batch_dims=1)  # [B, P, C]
+        return tf.where(inside[..., None], values, fill)
+
+    if interpolation == "nearest":
+        out = read(_round_half_away(in_y), _round_half_away(in_x))
+    elif interpolation == "bilinear":
+        yf, xf = tf.floor(in_y), tf.floor(in_x)
+        yc, xc = yf + 1.0, xf + 1.0
+        wx0, wx1 = (xc - in_x)[..., None], (in_x - xf)[..., None]
+        wy0, wy1 = (yc - in_y)[..., None], (in_y - yf)[..., None]
+        top = wx0 * read(yf, xf) + wx1 * read(yf, xc)
+        bottom = wx0 * read(yc, xf) + wx1 * read(yc, xc)
+        out = wy0 * top + wy1 * bottom
+        out = tf.where(degenerate[..., None], fill, out)
+    else:
+        raise ValueError(f"interpolation {interpolation!r} is not one of nearest, bilinear")
+    return tf.cast(tf.reshape(out, [-1, oh, ow, c]), dtype)
+
+
+def _transform_call(call):
+    def wrapped(self, *args, **kwargs):
+        _TRANSFORM.active += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _TRANSFORM.active -= 1
+    return wrapped
+
+
 def _conv_rnn_call(call):
     def wrapped(self, *args, **kwargs):
         _UNROLLED_RNN.active += 1
@@ -265,6 +385,22 @@ def _conv_rnn_call(call):
             _UNROLLED_RNN.active -= 1
             _REVERSE.active -= 1
     return wrapped
+
+
+def _conv_rnn_initial_state(self, inputs):
+    """``ConvRNN.get_initial_state`` without its convolution of zeros by a zero kernel: the
+    gradient through that convolution fails in DTensor's SPMD expansion (a shape of the global
+    batch times the batch axis, measured on every filter count but 2). The same zeros,
+    ``[batch, *conv output dims, filters]``, sliced from the input's zeros."""
+    from tf_keras.src.utils import conv_utils  # pylint: disable=g-import-not-at-top
+    cell = self.cell
+    spatial = inputs.shape[2:-1]
+    out = [conv_utils.conv_output_length(int(n), cell.kernel_size[i], padding=cell.padding,
+                                         stride=cell.strides[i], dilation=cell.dilation_rate[i])
+           for i, n in enumerate(spatial)]
+    zeros = tf.zeros_like(inputs[(slice(None), 0, *(slice(0, o) for o in out), slice(0, 1))])
+    zeros = tf.concat([zeros] * cell.filters, axis=-1)
+    return [zeros for _ in cell.state_size] if hasattr(cell.state_size, "__len__") else [zeros]
 
 
 def _bidirectional_call(call):
@@ -470,6 +606,9 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             layer.pool_function = avg_pool3d
         elif kind is L.RandomFlip:
             layer.call = types.MethodType(_random_flip_call, layer)
+        elif kind.__name__ in _AUGMENTATION:
+            _TRANSFORM.install()
+            layer.call = types.MethodType(_transform_call(layer.call), layer)
         elif isinstance(layer, L.Bidirectional):
             _REVERSE.install()
             layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
@@ -482,6 +621,8 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             _UNROLLED_RNN.install()
             _REVERSE.install()
             layer.call = types.MethodType(_conv_rnn_call(layer.call), layer)
+            if hasattr(layer, "cell") and layer.cell.data_format == "channels_last":
+                layer.get_initial_state = types.MethodType(_conv_rnn_initial_state, layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
             layer.unroll = True
             if hasattr(layer, "_could_use_gpu_kernel"):  # LSTM, GRU: their fused loop ignores it
@@ -619,11 +760,6 @@ def check_layers(model: tf_keras.Model) -> None:
                 f"layer {layer.name!r} (Discretization, output_mode={layer.output_mode!r}) uses "
                 "Bucketize, which DTensor cannot lay out; dtk replaces it for output_mode='int' "
                 "with fixed bin_boundaries only. Discretize in the tf.data pipeline instead")
-        if name in _AUGMENTATION:
-            raise ValueError(
-                f"layer {layer.name!r} ({name}) uses {_op_of(name)}, which DTensor cannot lay "
-                "out; augment in the tf.data pipeline instead (dtk.DistributedDataset runs it on "
-                "the host: dataset.map(...) before batching)")
         if isinstance(layer, L.RNN) and not layer.unroll:
             cells = getattr(layer.cell, "cells", [layer.cell])
             rates = {k: getattr(c, k, 0) for c in cells for k in ("dropout", "recurrent_dropout")
@@ -644,7 +780,7 @@ def check_layers(model: tf_keras.Model) -> None:
                     "length, e.g. tf_keras.Input((timesteps, features))")
 
 
-# Augmentation layers refused (their image ops have no layout propagation).
+# Augmentation layers whose image transform (ImageProjectiveTransformV3) dtk replaces.
 _AUGMENTATION = ("RandomRotation", "RandomTranslation", "RandomZoom")
 
 

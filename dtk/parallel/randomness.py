@@ -158,6 +158,9 @@ class _StepState(threading.local):
         self.calls: dict[int, int] = {}
         self.inputs: list[tf.Tensor] = []
         self.microbatch: tuple[int, int] | None = None  # (k, j): the j-th of k microbatches
+        # The generators of the user layers whose call is running (innermost last): their
+        # tf_keras.backend.random_* calls draw from it (``_install_backend_draws``).
+        self.backend: list["IndexedRandomGenerator"] = []
 
 
 _state = _StepState()
@@ -343,14 +346,84 @@ def _with_inputs(call):
     return wrapped
 
 
+# tf_keras.backend's module-level draws, which a user's layer may call itself (keras.io's VAE:
+# ``epsilon = tf.keras.backend.random_normal(shape=(batch, dim))``).
+_BACKEND_DRAWS = ("random_normal", "random_uniform", "truncated_normal")
+
+
+def _install_backend_draws() -> None:
+    """Routes ``tf_keras.backend.random_normal / random_uniform / truncated_normal`` (both the
+    public module and ``tf_keras.src.backend``) to the running user layer's generator while one
+    runs; Keras's own function otherwise."""
+    import inspect  # pylint: disable=g-import-not-at-top
+    from tf_keras import backend as public  # pylint: disable=g-import-not-at-top
+    for module in (keras_backend, public):
+        for name in _BACKEND_DRAWS:
+            original = getattr(module, name)
+            if getattr(original, "_dtk", False):
+                continue
+            signature = inspect.signature(original)
+
+            def wrapped(*args, __original=original, __name=name, __signature=signature,
+                        **kwargs):
+                if not _state.backend:
+                    return __original(*args, **kwargs)
+                bound = __signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                a = dict(bound.arguments)
+                generator = _state.backend[-1]
+                saved, generator._seed = generator._seed, a.pop("seed")  # pylint: disable=protected-access
+                try:
+                    return getattr(generator, __name)(**a)
+                finally:
+                    generator._seed = saved  # pylint: disable=protected-access
+
+            wrapped._dtk = True  # pylint: disable=protected-access
+            setattr(module, name, wrapped)
+
+
+def _draws_backend(layer) -> bool:
+    """A user's layer whose own code calls tf_keras.backend's random functions."""
+    import inspect  # pylint: disable=g-import-not-at-top
+    if type(layer).__module__.startswith(("tf_keras.", "keras.", "dtk.")):
+        return False
+    try:
+        source = inspect.getsource(type(layer).call)
+    except (OSError, TypeError):
+        return False
+    return any(f"{name}(" in source for name in _BACKEND_DRAWS)
+
+
+def _with_backend_generator(call, generator):
+    def wrapped(*args, **kwargs):
+        _state.backend.append(generator)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _state.backend.pop()
+    return wrapped
+
+
 def adapt_layers(model: tf_keras.Model, *, seed: int) -> list[str]:
-    """Gives every random layer of the laid-out ``model`` an ``IndexedRandomGenerator``.
+    """Gives every random layer of the laid-out ``model`` an ``IndexedRandomGenerator``: Keras's
+    random layers in place of theirs, and a user's layer that calls ``tf_keras.backend``'s random
+    functions itself one for those calls.
 
     Returns one log line naming the layers (none when the model has no random layer).
     """
     names = []
     for index, layer in enumerate(model._flatten_layers(include_self=False)):  # pylint: disable=protected-access
         generator = getattr(layer, "_random_generator", None)
+        if generator is None and _draws_backend(layer) and not getattr(
+                layer, "_dtk_backend_generator", None):
+            _install_backend_draws()
+            generator = IndexedRandomGenerator(seed=None)
+            generator._dtk_seed = int(seed)  # pylint: disable=protected-access
+            generator._dtk_layer = index  # pylint: disable=protected-access
+            object.__setattr__(layer, "_dtk_backend_generator", generator)  # untracked
+            layer.call = _with_backend_generator(_with_inputs(layer.call), generator)
+            names.append(layer.name)
+            continue
         if not isinstance(generator, keras_backend.RandomGenerator):
             continue
         # Same object, same tracked state (checkpoints keep their keys): only the draws change.

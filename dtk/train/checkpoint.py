@@ -651,6 +651,13 @@ def _weights_by_identity(model: tf_keras.Model) -> dict[str, tf.Variable]:
     return out
 
 
+def _metric_objects(model: tf_keras.Model) -> list:
+    """The metric objects a model holds: its ``metrics`` and any kept as attributes (Keras tracks
+    those in ``_metrics``, outside its layers)."""
+    found = [*getattr(model, "_metrics", []), *model.metrics]
+    return [m for m in found if isinstance(m, tf_keras.metrics.Metric)]
+
+
 def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model], *,
                input_shape=None) -> tf_keras.Model:
     """A plain (non-DTensor) twin of ``model`` built by ``model_factory``, with its weights.
@@ -677,6 +684,9 @@ def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model
             f"trained only {only_trained[:4]}, new build only {only_fresh[:4]}. The factory must "
             "build the same architecture every time (same layers in the same order)")
     covered = {id(v) for v in fresh.values()}
+    # A model's own metric objects (keras.io "Customizing fit": self.loss_tracker = Mean())
+    # hold state, not weights: the twin keeps them fresh, as after Keras's own load.
+    covered |= {id(v) for m in _metric_objects(twin) for v in m.variables}
     missing = [w.name for w in twin.weights if id(w) not in covered]
     if missing:
         raise ValueError(f"export cannot locate weights {missing[:4]} of the model by attribute "

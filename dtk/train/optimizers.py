@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -23,6 +24,8 @@ from tensorflow.experimental import dtensor
 
 from dtk.keras_check import require_keras2
 from dtk.parallel.mesh import as_mesh
+
+_log = logging.getLogger("dtk")
 
 OPTIMIZERS: dict[str, str] = {
     "sgd": "SGD",
@@ -192,10 +195,22 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
         raise TypeError(f"metric must be a name or a tf_keras.metrics.Metric; got "
                         f"{type(metric).__name__}")
     if not _same_mesh(getattr(metric, "_mesh", None), mesh):
-        raise ValueError(
-            f"metric {metric.name!r} ({type(metric).__name__}) is not bound to the mesh: without "
-            "mesh= it runs under DTensor but reports wrong values. Create it with "
-            f"tf_keras.metrics.{type(metric).__name__}(mesh=mesh) or pass its name")
+        # As compile() takes any metric object: the same metric (class and config) made again
+        # on the mesh, where its class takes mesh= (tf_keras's built-in metrics do).
+        try:
+            rebuilt = type(metric)(**metric.get_config(), mesh=mesh)
+        except (TypeError, ValueError, NotImplementedError):
+            rebuilt = None
+        if rebuilt is None or not _same_mesh(getattr(rebuilt, "_mesh", None), mesh):
+            raise ValueError(
+                f"metric {metric.name!r} ({type(metric).__name__}) is not bound to the mesh: "
+                "without mesh= it runs under DTensor but reports wrong values, and dtk cannot "
+                "make it again with mesh= (its class does not take it). Create it with "
+                f"{type(metric).__name__}(..., mesh=mesh) or pass a built-in metric's name")
+        _log.info("metric %r (%s): made again on the mesh from its config (the Trainer's "
+                  "history reports it; the object given is not updated)", metric.name,
+                  type(metric).__name__)
+        return rebuilt
     return metric
 
 
