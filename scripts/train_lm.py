@@ -115,7 +115,7 @@ def _setup():
     import dtk  # pylint: disable=g-import-not-at-top
     _check_flags()
     import tf_keras  # pylint: disable=g-import-not-at-top
-    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, sequence  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.data import text  # pylint: disable=g-import-not-at-top
 
@@ -140,6 +140,15 @@ def _setup():
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if FLAGS.sequence_attention:
         table = dataclasses.replace(table, sequence_attention=FLAGS.sequence_attention)
+    try:
+        sequence.check_mesh(mesh, sequence_axis=table.sequence_axis,
+                            sequence_parallel_axis=table.sequence_parallel_axis,
+                            seq_len=FLAGS.seq_len, heads=FLAGS.heads,
+                            attention=table.sequence_attention, fsdp=FLAGS.fsdp,
+                            names={"seq_len": "--seq_len", "heads": "--heads",
+                                   "fsdp": "--fsdp"})
+    except ValueError as e:
+        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
     if FLAGS.mixed_precision:
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
@@ -159,7 +168,7 @@ def run() -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
     import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, sequence  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.data import text  # pylint: disable=g-import-not-at-top
     spec, mesh, table, factory, plan, memory, auto_plan = _setup()

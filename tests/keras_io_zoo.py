@@ -112,7 +112,7 @@ def _image_data():
 
 # -- "Bidirectional LSTM on IMDB" -----------------------------------------------------------------
 def bilstm_imdb():
-    inputs = tf_keras.Input(shape=(12,), dtype="int32")
+    inputs = tf_keras.Input(shape=(8,), dtype="int32")
     x = layers.Embedding(50, 8)(inputs)
     x = layers.Bidirectional(layers.LSTM(8, return_sequences=True))(x)
     x = layers.Bidirectional(layers.LSTM(8))(x)
@@ -124,7 +124,7 @@ def bilstm_imdb():
 
 def _imdb_data():
     rng = _rng()
-    return (rng.integers(1, 50, (N * B, 12)).astype(np.int32),
+    return (rng.integers(1, 50, (N * B, 8)).astype(np.int32),
             rng.integers(0, 2, (N * B, 1)).astype(np.float32))
 
 
@@ -408,7 +408,7 @@ EXAMPLES: dict[str, Example] = {
         data=_image_data, changed="16x16 images, one residual block of 16 filters; "
         "RandomFlip and RandomRotation inside the model, as on the page"),
     "bilstm_imdb": Example(page="Bidirectional LSTM on IMDB", factory=bilstm_imdb,
-                           data=_imdb_data, changed="Input((12,)) not (None,): dtk unrolls "
+                           data=_imdb_data, changed="Input((8,)) not (None,): dtk unrolls "
                            "the LSTM loops (DTensor cannot lay out them), which needs a static "
                            "length; vocabulary 50, 8 units"),
     "text_transformer": Example(

@@ -62,6 +62,25 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--plot", "{dir}/plan.png", "--mesh", "batch=8"],
      "plan.png draws the planner's candidates: give --explain_plan or --mesh auto"),
     (["--plot", "/proc/nope/plan.png", "--explain_plan"], "is not writable"),
+    # Issue 44: sequence meshes, attention over them, blockwise attention.
+    (["--mesh", "batch=2,seq=4", "--seq_len", "18"],
+     "--mesh batch=2,seq=4: --seq_len 18 is not divisible by mesh axis 'seq' of size 4"),
+    (["--mesh", "batch=2,seq=4", "--seq_len", "64"], ACCEPTED),
+    (["--mesh", "batch=1,seq=8", "--seq_len", "64", "--global_batch_size", "1"], ACCEPTED),
+    (["--mesh", "batch=2,seq=4", "--fsdp"],
+     "--fsdp with the sequence sharded over mesh axis 'seq' (size 4) fails inside DTensor"),
+    (["--mesh", "batch=2,seq=4", "--sequence_attention", "all_to_all", "--heads", "2",
+      "--dim", "32"], "splits the heads over mesh axis 'seq' of size 4, but --heads is 2"),
+    (["--mesh", "batch=2,seq=4", "--sequence_attention", "all_gather", "--heads", "2",
+      "--dim", "32"], ACCEPTED),
+    (["--mesh", "batch=2,seq=4", "--layout", "data_parallel"],
+     "mesh axis 'seq' of size 4 shards no weight"),
+    (["--mesh", "batch=2,model=4", "--seq_len", "18"],
+     "--seq_len 18 is not divisible by mesh axis 'model' of size 4"),  # Megatron SP
+    (["--attention", "blockwise", "--block_size", "100", "--seq_len", "128"],
+     "--block_size 100 does not divide --seq_len 128"),
+    (["--attention", "blockwise", "--block_size", "0"], "--block_size 0 does not divide"),
+    (["--attention", "blockwise", "--block_size", "256", "--seq_len", "128"], ACCEPTED),
 ]
 
 TUNE_CASES = [

@@ -90,3 +90,25 @@ def test_the_zoo_covers_the_pages_the_issue_names():
                   "Timeseries", "Variational AutoEncoder", "autoencoder"):
         assert words in pages, words
     assert len(zoo.EXAMPLES) >= 15
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                  for n in zoo.EXAMPLES])
+def test_keras_io_example_starts_from_plain_tf_keras_weights(name):
+    """A dtk build's initial weights are plain tf_keras's build with the same seed (issue 40)."""
+    example = zoo.EXAMPLES[name]
+    model, _ = dtk.build_model(example.factory, dtk.build_mesh("batch=8"), "data_parallel",
+                               seed=7, allow_replicated=True, input_shape=example.input_shape)
+    # plain tf_keras in the same process, after dtk (which turns on tf_keras's tf.random.Generator
+    # mode, as DTensor requires: random layers then seed themselves differently)
+    tf_keras.utils.set_random_seed(7)
+    plain = example.factory()
+    if not plain.built:
+        plain(tf.zeros([1, *example.input_shape]))
+    # keyed by where each weight lives (layer index, class, attribute), not by name or order
+    want = checkpoint._weights_by_identity(plain)  # pylint: disable=protected-access
+    got = checkpoint._weights_by_identity(model)  # pylint: disable=protected-access
+    assert sorted(got) == sorted(want)
+    for key, variable in want.items():
+        np.testing.assert_array_equal(checkpoint.global_value(got[key]), variable.numpy(),
+                                      err_msg=key)

@@ -178,3 +178,32 @@ def test_covered_layers_give_no_warning(caplog):
     with caplog.at_level("WARNING", logger="dtk"):
         _random_layer_losses("batch=8")
     assert not [r for r in caplog.records if "not covered" in r.getMessage()]
+
+
+def test_control_flow_is_not_a_draw():
+    """StatelessWhile / StatelessIf are loops and conditionals, not random ops: a layer with a
+    tf.while_loop is not named as an uncovered draw."""
+    from dtk.parallel import randomness  # pylint: disable=import-outside-toplevel
+    assert not randomness.is_random_op("StatelessWhile")
+    assert not randomness.is_random_op("StatelessIf")
+    assert randomness.is_random_op("StatelessRandomUniformV2")
+    assert randomness.is_random_op("RandomStandardNormal")
+
+
+class _BackendNoise(tf_keras.layers.Layer):
+    """A user's layer drawing through tf_keras.backend itself (as keras.io's VAE samples z)."""
+
+    def call(self, inputs):
+        return inputs + 0.01 * tf_keras.backend.random_normal(shape=tf.shape(inputs))
+
+
+def test_a_layer_drawing_through_tf_keras_backend_is_the_same_on_every_mesh(caplog):
+    def factory():
+        return tf_keras.Sequential([tf_keras.layers.Flatten(input_shape=(28, 28, 1)),
+                                    _BackendNoise(name="backend_noise"),
+                                    tf_keras.layers.Dense(10, name="d2")])
+    with caplog.at_level("WARNING", logger="dtk"):
+        losses, _ = _random_layer_losses("batch=8", factory=factory)
+    assert not [r for r in caplog.records if "not covered" in r.getMessage()]
+    np.testing.assert_allclose(losses, _random_layer_losses("batch=1", factory=factory)[0],
+                               rtol=1e-5)

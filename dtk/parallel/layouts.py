@@ -565,6 +565,21 @@ def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_ker
     return model
 
 
+def _seeds_itself_when_built(model: tf_keras.Model) -> bool:
+    """Whether a layer of ``model`` makes a ``tf.random.Generator`` while the model is built (the
+    augmentation layers always do; other random layers in tf_keras's generator mode) without a
+    seed of its own: that draws Python's ``random`` between the weights' initializers, so the
+    initial weights after it depend on it."""
+    from tf_keras.src import backend as keras_backend  # pylint: disable=g-import-not-at-top
+    stateful = keras_backend.RandomGenerator.RNG_STATEFUL
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        generator = getattr(layer, "_random_generator", None)
+        if getattr(generator, "_rng_type", None) == stateful and \
+                getattr(generator, "_seed", 0) is None:
+            return True
+    return False
+
+
 def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = None,
                      dtype="float32") -> tuple[tf_keras.Model, bool]:
     """The model to plan from, and whether it is lazy (shapes only, see ``dtk.parallel.materialize``).
@@ -575,9 +590,11 @@ def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = Non
     names = _layer_name_counters()
     try:
         model = _check_factory_result(materialize.lazy_model(model_factory, input_shape, dtype))
-        if model.built:
+        if model.built and not _seeds_itself_when_built(model):
             return model, True
-        reason = "it is unbuilt (a subclassed model without input_shape)"
+        reason = ("random augmentation layers draw their own seeds as the model is built, "
+                  "between its weights' initializers, which a lazy build cannot replay"
+                  if model.built else "it is unbuilt (a subclassed model without input_shape)")
     except TypeError:
         raise
     except Exception as e:  # pylint: disable=broad-except  (whatever needed real values)

@@ -54,8 +54,15 @@ _RANDOM_OP_PREFIXES = ("Random", "Stateless", "Stateful", "Rng")
 _RANDOM_OP_TYPES = frozenset({"TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal"})
 
 
+# Control flow, not draws, though named "Stateless...".
+_NOT_RANDOM = frozenset({"StatelessWhile", "StatelessIf", "StatelessCase",
+                         "StatelessPartitionedCall"})
+
+
 def is_random_op(op_type: str) -> bool:
     """Whether a TF op type draws random numbers (``RandomUniform``, ``StatelessRandom...``)."""
+    if op_type in _NOT_RANDOM:
+        return False
     return op_type.startswith(_RANDOM_OP_PREFIXES) or op_type in _RANDOM_OP_TYPES
 
 

@@ -268,6 +268,41 @@ def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: st
     return mode, why
 
 
+def check_mesh(mesh: dtensor.Mesh, *, sequence_axis: str | None,
+               sequence_parallel_axis: str | None = None, seq_len: int,
+               heads: int | None = None, attention: str = "auto", fsdp: bool = False,
+               names: dict[str, str] | None = None) -> None:
+    """What ``configure`` would refuse, from the sizes alone, before a model is built (a
+    script's flags): a sequence length the axis cannot divide, FSDP with a sequence axis, heads
+    that an explicit all-to-all cannot split. ``names`` maps ``seq_len``, ``heads`` and
+    ``fsdp`` to what the caller calls them (a script: its flags).
+
+    Raises:
+      ValueError: naming the value, the axis and its size, and the fix.
+    """
+    names = {"seq_len": "seq_len", "heads": "heads", "fsdp": "fsdp=True", **(names or {})}
+    axis, kind = choose_axis(mesh, sequence_axis=sequence_axis,
+                             sequence_parallel_axis=None if fsdp else sequence_parallel_axis)
+    if axis is None:
+        return
+    size = mesh.dim_size(axis)
+    if fsdp and kind == "context":
+        raise ValueError(
+            f"{names['fsdp']} with the sequence sharded over mesh axis {axis!r} (size {size}) "
+            f"fails inside DTensor; drop {names['fsdp']} (shard the weights over 'model' "
+            f"instead), or drop {axis!r} from the mesh")
+    if seq_len % size:
+        raise ValueError(
+            f"{names['seq_len']} {seq_len} is not divisible by mesh axis {axis!r} of size {size}: "
+            f"each device holds {names['seq_len']} / {size} positions; use a multiple of {size}, "
+            f"or a smaller {axis!r} axis")
+    if kind == "context" and attention == "all_to_all" and heads is not None and heads % size:
+        raise ValueError(
+            f"sequence_attention all_to_all splits the heads over mesh axis {axis!r} of size "
+            f"{size}, but {names['heads']} is {heads}; use {names['heads']} divisible by "
+            f"{size}, or sequence_attention all_gather")
+
+
 def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
               sequence_axis: str | None, sequence_parallel_axis: str | None,
               table_name: str = "", fsdp: bool = False,
