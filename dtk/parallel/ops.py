@@ -365,25 +365,16 @@ def projective_transform(images, transforms, *, fill_mode: str = "reflect",
     return tf.cast(tf.reshape(out, [-1, oh, ow, c]), dtype)
 
 
-def _transform_call(call):
+def _while_active(call, *replacements: _WhileActive):
+    """``call`` with ``replacements`` active while it runs (as a method: drops ``self``)."""
     def wrapped(self, *args, **kwargs):
-        _TRANSFORM.active += 1
+        for r in replacements:
+            r.active += 1
         try:
             return call(*args, **kwargs)
         finally:
-            _TRANSFORM.active -= 1
-    return wrapped
-
-
-def _conv_rnn_call(call):
-    def wrapped(self, *args, **kwargs):
-        _UNROLLED_RNN.active += 1
-        _REVERSE.active += 1  # go_backwards reverses the frames
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _UNROLLED_RNN.active -= 1
-            _REVERSE.active -= 1
+            for r in replacements:
+                r.active -= 1
     return wrapped
 
 
@@ -401,16 +392,6 @@ def _conv_rnn_initial_state(self, inputs):
     zeros = tf.zeros_like(inputs[(slice(None), 0, *(slice(0, o) for o in out), slice(0, 1))])
     zeros = tf.concat([zeros] * cell.filters, axis=-1)
     return [zeros for _ in cell.state_size] if hasattr(cell.state_size, "__len__") else [zeros]
-
-
-def _bidirectional_call(call):
-    def wrapped(self, *args, **kwargs):
-        _REVERSE.active += 1
-        try:
-            return call(*args, **kwargs)
-        finally:
-            _REVERSE.active -= 1
-    return wrapped
 
 
 def _random_flip_call(self, inputs, training=True):
@@ -608,10 +589,10 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
             layer.call = types.MethodType(_random_flip_call, layer)
         elif kind.__name__ in _AUGMENTATION:
             _TRANSFORM.install()
-            layer.call = types.MethodType(_transform_call(layer.call), layer)
+            layer.call = types.MethodType(_while_active(layer.call, _TRANSFORM), layer)
         elif isinstance(layer, L.Bidirectional):
             _REVERSE.install()
-            layer.call = types.MethodType(_bidirectional_call(layer.call), layer)
+            layer.call = types.MethodType(_while_active(layer.call, _REVERSE), layer)
         elif isinstance(layer, L.Embedding) and row_sharded_table(layer) is not None:
             layout = row_sharded_table(layer)
             layer._dtk_table_layout = layout  # pylint: disable=protected-access
@@ -620,7 +601,9 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
         elif type(layer).__name__.startswith("ConvLSTM"):
             _UNROLLED_RNN.install()
             _REVERSE.install()
-            layer.call = types.MethodType(_conv_rnn_call(layer.call), layer)
+            # go_backwards reverses the frames
+            layer.call = types.MethodType(_while_active(layer.call, _UNROLLED_RNN, _REVERSE),
+                                          layer)
             if hasattr(layer, "cell") and layer.cell.data_format == "channels_last":
                 layer.get_initial_state = types.MethodType(_conv_rnn_initial_state, layer)
         elif isinstance(layer, L.RNN) and not layer.unroll:
