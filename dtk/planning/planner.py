@@ -9,8 +9,10 @@ blocks or not), each with the fewest microbatches whose activations fit. For eac
   table that cannot shard a weight on it drops the candidate with the table's own error):
   weights and optimizer state as stored, gradients in the compute layout, the weights FSDP
   gathers, and activations. Activations are the one estimate: the sum of every leaf layer's
-  output for one example (measured by one call on one example), times the rows a device holds at
-  once, divided by the model axis for layers whose kernels the table shards on their output dim.
+  output for one example (measured by one call on one example), plus twice the largest of them
+  (the backward pass's gradients of that output and of its input, live at its peak), times the
+  rows a device holds at once, divided by the model axis for layers whose kernels the table
+  shards on their output dim, and by the sequence axis where the model shards its sequence.
   Remat keeps a block's input and recomputes the rest, so only the largest block's internals
   are live at once.
 - **predicted ms per step, from a cost model calibrated on this machine**:
@@ -351,10 +353,11 @@ def _block(layer: LayerProfile, remat: Sequence[str]) -> str | None:
 def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str],
                       sequence: tuple[str, int] | None = None) -> int:
     """Bytes per example live for the backward pass (see the module docstring)."""
-    kept, blocks, seen = 0, {}, set()
+    kept, blocks, seen, largest = 0, {}, set(), 0
     for layer in profile.layers:
         nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes,
                                                                       sequence)
+        largest = max(largest, nbytes)
         block = _block(layer, remat) if remat else None
         if block is None:
             kept += nbytes
@@ -364,7 +367,10 @@ def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str
             seen.add(block)
             kept += layer.in_elements * layer.itemsize // (sequence[1] if sequence else 1)
         blocks[block] = blocks.get(block, 0) + nbytes
-    return kept + max(blocks.values(), default=0)
+    # At the backward pass's peak, the gradient of the largest output and of its input are live
+    # beside everything kept (attention's [heads, T, T] scores: measured 1.8-2.0x the kept
+    # outputs alone on the LM at T = 4,096, scripts/bench_memory.py).
+    return kept + max(blocks.values(), default=0) + 2 * largest
 
 
 def _remat_weights(profile: ModelProfile, remat: Sequence[str]) -> dict[str, str]:
