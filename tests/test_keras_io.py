@@ -67,8 +67,8 @@ def test_keras_io_example_trains_like_one_device_resumes_and_exports(name, tmp_p
         if not loaded.built:
             loaded(tf.zeros([1, *example.input_shape]))
         loaded.load_weights(paths["keras"])
-    skip = {id(v) for m in checkpoint._metric_objects(loaded) for v in m.variables}  # pylint: disable=protected-access
-    exported = [w.numpy() for w in loaded.weights if id(w) not in skip]
+    state = {id(v) for m in checkpoint._metric_objects(loaded) for v in m.variables}  # pylint: disable=protected-access
+    exported = [w.numpy() for w in loaded.weights if id(w) not in state]
     assert len(exported) == len(got)
     for g, w in zip(exported, got):
         np.testing.assert_array_equal(g, w)

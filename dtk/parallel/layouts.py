@@ -167,7 +167,7 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
     for key in ("sequence_axis", "sequence_parallel_axis"):
         if key in data and data[key] not in axes:
             fail(f"{key} {data[key]!r} must be one of the table's axes {list(axes)}")
-    if data.get("sequence_attention", "auto") not in ("auto", "all_gather", "all_to_all"):
+    if data.get("sequence_attention", "auto") not in sequence.ATTENTION_MODES:
         fail(f"sequence_attention {data['sequence_attention']!r} must be \"auto\", "
              "\"all_gather\" or \"all_to_all\"")
     default = data.get("default", "replicated")
@@ -592,18 +592,19 @@ def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = Non
         model = _check_factory_result(materialize.lazy_model(model_factory, input_shape, dtype))
         if model.built and not _seeds_itself_when_built(model):
             return model, True
-        reason = ("random augmentation layers draw their own seeds as the model is built, "
-                  "between its weights' initializers, which a lazy build cannot replay"
-                  if model.built else "it is unbuilt (a subclassed model without input_shape)")
+        reason = ("its random layers draw their own seeds as the model is built, between its "
+                  "weights' initializers, which a lazy build cannot replay" if model.built
+                  else "a lazy build leaves it unbuilt (a subclassed model without input_shape)")
     except TypeError:
         raise
     except Exception as e:  # pylint: disable=broad-except  (whatever needed real values)
-        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        reason = (f"a build with lazy variables failed: {type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}")
     names.restore()
     if seed is not None:
         tf_keras.utils.set_random_seed(seed)
-    _log.info("layouts: built a full plain copy of the model to read its initial values, since "
-              "a build with lazy variables failed (%s)", reason)
+    _log.info("layouts: built a full plain copy of the model to read its initial values: %s",
+              reason)
     return _plain_model(model_factory, input_shape, mesh, dtype=dtype), False
 
 

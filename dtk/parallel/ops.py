@@ -225,7 +225,8 @@ def reverse(x, axes):
 
 
 class _WhileActive:
-    """Replaces ``tf_keras.backend.<name>`` while one of dtk's adapted layers runs.
+    """Replaces ``<module>.<name>`` (``tf_keras.backend.rnn``, ...) while one of dtk's adapted
+    layers runs.
 
     Installed once, process-wide, as a wrapper that is a pass-through outside those layers (a
     plain model in the same process keeps tf_keras's own function). ``replacement(original, *args,
@@ -237,8 +238,8 @@ class _WhileActive:
 
     def install(self):
         import importlib  # pylint: disable=g-import-not-at-top
-        backend = importlib.import_module(self.module)
-        original = getattr(backend, self.name)
+        module = importlib.import_module(self.module)
+        original = getattr(module, self.name)
         if getattr(original, "_dtk", False):
             return
 
@@ -248,7 +249,7 @@ class _WhileActive:
             return original(*args, **kwargs)
 
         wrapped._dtk = True  # pylint: disable=protected-access
-        setattr(backend, self.name, wrapped)
+        setattr(module, self.name, wrapped)
 
 
 # Bidirectional (return_sequences) and go_backwards: the reverse along time as ``reverse``.
@@ -312,7 +313,8 @@ def projective_transform(images, transforms, *, fill_mode: str = "reflect",
     if output_shape is not None:
         static = tf.get_static_value(output_shape)
         if static is None:
-            raise ValueError("dtk's image transform needs a static output_shape")
+            raise ValueError(f"dtk's image transform needs a static output_shape [height, "
+                             f"width]; got the tensor {output_shape!r}: pass Python ints")
         oh, ow = (int(d) for d in static)
     else:
         oh, ow = h, w

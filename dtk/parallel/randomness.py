@@ -395,7 +395,7 @@ def _draws_backend(layer) -> bool:
     if type(layer).__module__.startswith(("tf_keras.", "keras.", "dtk.")):
         return False
     try:
-        source = inspect.getsource(type(layer).call)
+        source = inspect.getsource(type(layer))  # call and its helpers
     except (OSError, TypeError):
         return False
     return any(f"{name}(" in source for name in _BACKEND_DRAWS)

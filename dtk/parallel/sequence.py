@@ -47,6 +47,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk.parallel import mesh as mesh_lib
+
 _log = logging.getLogger("dtk")
 
 
@@ -219,24 +221,6 @@ def _time_attention(layer, mesh: dtensor.Mesh, batch_axis: str, axis: str,
     return _TIMED[key]
 
 
-def _agree(choice: str) -> str:
-    """Client 0's choice on every client (timings differ between clients)."""
-    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
-    if not cluster.is_multi_client():
-        return choice
-    from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-    ctx = context.context()
-    key = f"dtk/sequence/attention/{len(_AGREED)}"
-    _AGREED.append(key)
-    if cluster.is_lead_client():
-        ctx.set_config_key_value(key, choice)
-        return choice
-    return ctx.get_config_key_value(key, timeout_in_ms=600_000)
-
-
-_AGREED: list[str] = []
-
-
 def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: str,
                          mode: str) -> tuple[str, str]:
     """Chooses and installs how attention meets the sequence sharded over ``axis``: returns
@@ -258,7 +242,9 @@ def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: st
         else:
             _install_all_to_all(layers[0])
             ms = _time_attention(layers[0], mesh, batch_axis, axis, where)
-            mode = _agree(min(ms, key=ms.get))
+            # client 0's choice on every client (each timed its own devices)
+            mine = ATTENTION_MODES.index(min(ms, key=ms.get))
+            mode = ATTENTION_MODES[int(mesh_lib.values_on_all_clients(mesh, float(mine))[0])]
             why = (f"measured on this mesh, one attention layer forward and backward: all-to-all "
                    f"{ms['all_to_all']:.1f} ms, all-gather {ms['all_gather']:.1f} ms")
     for layer in layers:
@@ -266,6 +252,13 @@ def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: st
         object.__setattr__(layer, "_dtk_all_to_all",
                            where if mode == "all_to_all" else None)
     return mode, why
+
+
+def _fsdp_with_sequence(axis: str, size: int, given: str, drop: str) -> ValueError:
+    return ValueError(
+        f"{given} with the sequence sharded over mesh axis {axis!r} (size {size}) fails inside "
+        f"DTensor; drop {drop} (shard the weights over 'model' instead), or drop {axis!r} from "
+        "the mesh")
 
 
 def check_mesh(mesh: dtensor.Mesh, *, sequence_axis: str | None,
@@ -287,10 +280,7 @@ def check_mesh(mesh: dtensor.Mesh, *, sequence_axis: str | None,
         return
     size = mesh.dim_size(axis)
     if fsdp and kind == "context":
-        raise ValueError(
-            f"{names['fsdp']} with the sequence sharded over mesh axis {axis!r} (size {size}) "
-            f"fails inside DTensor; drop {names['fsdp']} (shard the weights over 'model' "
-            f"instead), or drop {axis!r} from the mesh")
+        raise _fsdp_with_sequence(axis, size, names["fsdp"], names["fsdp"])
     if seq_len % size:
         raise ValueError(
             f"{names['seq_len']} {seq_len} is not divisible by mesh axis {axis!r} of size {size}: "
@@ -320,10 +310,7 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
     axis, kind = choose_axis(mesh, sequence_axis=sequence_axis,
                              sequence_parallel_axis=None if fsdp else sequence_parallel_axis)
     if fsdp and kind == "context" and sequence_layers(model):
-        raise ValueError(
-            f"fsdp=True (--fsdp) with the sequence sharded over mesh axis {axis!r} (size "
-            f"{mesh.dim_size(axis)}) fails inside DTensor; drop --fsdp (shard the weights over "
-            f"'model' instead), or drop {axis!r} from the mesh")
+        raise _fsdp_with_sequence(axis, mesh.dim_size(axis), "fsdp=True (--fsdp)", "--fsdp")
     layers = sequence_layers(model)
     if axis is None:
         return []

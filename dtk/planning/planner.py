@@ -133,10 +133,10 @@ class ModelProfile:
     input_dtype: str = "float32"
     outputs: int = 1  # the last dim of the output: the label range of the timed steps
     # The sequence (dtk.parallel.sequence): its length where the model marks it (0: no sequence
-    # layers), and each attention layer's (name, key/value input elements per example, itemsize,
-    # heads), for the gather of keys and values over a ``seq`` axis.
+    # layers), and each attention layer's (name, key/value input elements per example,
+    # itemsize), for the gather of keys and values over a ``seq`` axis.
     sequence_length: int = 0
-    attention: tuple[tuple[str, int, int, int], ...] = ()
+    attention: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def signature(self) -> str:
@@ -234,7 +234,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
 
     originals = []
     sequence_length = [0]
-    attention: dict[int, tuple[str, int, int, int]] = {}
+    attention: dict[int, tuple[str, int, int]] = {}
     calls = [0]  # records made so far: a layer none of whose sublayers ran counts as a leaf
 
     def every_layer(layer, prefix):
@@ -251,8 +251,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
                 out = __call(*args, **kwargs)
                 if isinstance(__layer, tf_keras.layers.MultiHeadAttention):
                     value = args[1] if len(args) > 1 else kwargs.get("value")
-                    attention[id(__layer)] = (__name, elements(value), value.dtype.size,
-                                              __layer._num_heads)  # pylint: disable=protected-access
+                    attention[id(__layer)] = (__name, elements(value), value.dtype.size)
                 if isinstance(__layer, _identity_layers()):
                     # marks where the sequence is sharded; keeps nothing of its own
                     if args and len(args[0].shape) > 1 and not sequence_length[0]:
@@ -467,7 +466,7 @@ def _sequence_ms(profile: ModelProfile, plan, machine: MachineCalibration, rows:
     if size <= 1 or not profile.sequence_length:
         return 0.0
     return sum(2 * machine.gather_ms(size, rows * elements * itemsize)
-               for _, elements, itemsize, _ in profile.attention)
+               for _, elements, itemsize in profile.attention)
 
 
 def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: StepCalibration,
