@@ -122,6 +122,7 @@ class SparseTables:
         # Tracked by the optimizer: tf.train.Checkpoint(optimizer=...) saves and restores them.
         optimizer._dtk_sparse_table_slots = slots  # pylint: disable=protected-access
         self.table_ids = {id(t.variable) for t in self.tables}
+        self._scatter_fn = None
 
     def is_table(self, variable) -> bool:
         return id(getattr(variable, "_variable", variable)) in self.table_ids
@@ -147,14 +148,21 @@ class SparseTables:
     def outputs(self, recorded) -> list[tf.Tensor]:
         return [o for pairs in recorded for _, o in pairs]
 
-    def apply(self, recorded, output_grads: Sequence[tf.Tensor]) -> None:
-        """Updates the touched rows of every table from the gradients of its lookups' outputs."""
+    def apply(self, recorded, output_grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Inside the step: the new values of the touched rows of every table and its state.
+
+        Returns the pending updates, which ``scatter`` adds in place after the step (DTensor lays
+        out no in-place scatter): per variable, the table's local row ids ``[n]`` and the
+        changes ``[shards, n, dim]``, sharded like the table on dims 0 and 2, so that each device
+        receives the changes of its own rows only (zeros for the ids it does not own).
+        """
         grads = iter(output_grads)
         step = tf.cast(self.optimizer.iterations, tf.float32) + 1.0
         lr = self.optimizer._learning_rate  # pylint: disable=protected-access
         if isinstance(lr, tf_keras.optimizers.schedules.LearningRateSchedule):
             lr = lr(self.optimizer.iterations)
         lr = tf.cast(lr, tf.float32)
+        pending = []
         for table, pairs in zip(self.tables, recorded):
             ids, rows = [], []
             for lookup_ids, _ in pairs:
@@ -163,44 +171,89 @@ class SparseTables:
                     g = tf.zeros([*lookup_ids.shape, table.variable.shape[1]], tf.float32)
                 ids.append(tf.reshape(lookup_ids, [-1]))
                 rows.append(tf.reshape(tf.cast(g, tf.float32), [-1, table.variable.shape[1]]))
-            self._update(table, tf.concat(ids, 0) if len(ids) > 1 else ids[0],
-                         tf.concat(rows, 0) if len(rows) > 1 else rows[0], lr, step)
+            pending += self._update(table, tf.concat(ids, 0) if len(ids) > 1 else ids[0],
+                                    tf.concat(rows, 0) if len(rows) > 1 else rows[0], lr, step)
+        return pending
 
-    def _update(self, table: _Table, ids, grads, lr, step) -> None:
+    def _update(self, table: _Table, ids, grads, lr, step) -> list[tf.Tensor]:
         mesh = table.layout.mesh
+        rows_axis, cols_axis = table.layout.sharding_specs
+        shards = mesh.dim_size(rows_axis)
+        per = table.variable.shape[0] // shards
         ids = dtensor.relayout(tf.cast(ids, tf.int32), dtensor.Layout.replicated(mesh, 1))
         grads = dtensor.relayout(grads, dtensor.Layout.replicated(mesh, 2))
         unique, summed, valid = _sum_repeated(ids, grads)
+        # Pinned replicated: the owners' layout below must not propagate into the sort.
+        unique = dtensor.relayout(unique, dtensor.Layout.replicated(mesh, 1))
+        summed = dtensor.relayout(summed, dtensor.Layout.replicated(mesh, 2))
         valid = valid[:, None]
-        index = unique[:, None]
+        # Which block owns each touched row, laid out on the rows' axis: device s keeps the
+        # changes of its own rows and zeros for the others (they add nothing to its rows).
+        owned = dtensor.relayout(tf.one_hot(unique // per, shards, axis=0),
+                                 dtensor.Layout([rows_axis, dtensor.UNSHARDED], mesh))
+        changes_layout = dtensor.Layout([rows_axis, dtensor.UNSHARDED, cols_axis], mesh)
+        local = unique % per
 
         def read(variable):
             return ops.row_sharded_lookup(variable, unique, table.layout, None)
 
-        def add(variable, delta):
-            variable.assign(tf.tensor_scatter_nd_add(variable.read_value(), index, delta))
+        def change(delta):
+            # expand_dims, not [None]: DTensor's StridedSlice fails on the owners' layout
+            return dtensor.relayout(tf.expand_dims(owned, 2) * tf.expand_dims(delta, 0),
+                                    changes_layout)
 
         o = self.optimizer
         if self.kind == "sgd":
-            add(table.variable, -lr * summed)
+            deltas = [-lr * summed]
         elif self.kind == "adagrad":
-            acc = table.slots["accumulator"]
             squared = summed * summed
-            new_acc = read(acc) + squared
-            add(acc, squared)
-            add(table.variable, -lr * summed / tf.sqrt(new_acc + o.epsilon))
+            new_acc = read(table.slots["accumulator"]) + squared
+            deltas = [-lr * summed / tf.sqrt(new_acc + o.epsilon), squared]
         else:  # lazy Adam, tf_keras Adam's formula on the touched rows
             b1, b2 = tf.cast(o.beta_1, tf.float32), tf.cast(o.beta_2, tf.float32)
-            m, v = table.slots["m"], table.slots["v"]
-            m_old, v_old = read(m), read(v)
+            m_old, v_old = read(table.slots["m"]), read(table.slots["v"])
             m_new = m_old + (summed - m_old) * (1 - b1)
             v_new = v_old + (summed * summed - v_old) * (1 - b2)
             alpha = lr * tf.sqrt(1 - tf.pow(b2, step)) / (1 - tf.pow(b1, step))
             zero = tf.zeros_like(m_new)
-            add(m, tf.where(valid, m_new - m_old, zero))
-            add(v, tf.where(valid, v_new - v_old, zero))
-            add(table.variable, tf.where(valid, -m_new * alpha / (tf.sqrt(v_new) + o.epsilon),
-                                         zero))
+            deltas = [tf.where(valid, -m_new * alpha / (tf.sqrt(v_new) + o.epsilon), zero),
+                      tf.where(valid, m_new - m_old, zero), tf.where(valid, v_new - v_old, zero)]
+        out = []
+        for delta in deltas:
+            out += [tf.identity(local), change(delta)]
+        return out
+
+    def _variables(self) -> list[tf.Variable]:
+        """The variables ``apply``'s pending updates are for, in its order."""
+        names = {"sgd": (), "adagrad": ("accumulator",), "lazy_adam": ("m", "v")}[self.kind]
+        return [v for t in self.tables for v in (t.variable, *(t.slots[n] for n in names))]
+
+    def scatter(self, pending: Sequence[tf.Tensor]) -> None:
+        """After the step: adds ``apply``'s changes to each device's own rows, in place.
+
+        Each variable's per-device resource (``dtensor.unpack`` of its handle) gets one
+        ``ResourceScatterAdd`` of ``n`` rows on its own device: the cost is the rows a step
+        touched, whatever the table's size. Inside the step, DTensor would copy every device's
+        whole block for each variable (``tensor_scatter_nd_add`` on a variable's value; 2^23 x 16
+        rows on ``batch=8``: 37 ms per variable against 1.3 ms in place).
+        """
+        if self._scatter_fn is None:
+            handles = [dtensor.unpack(v.handle) for v in self._variables()]
+            devices = [[h.device for h in hs] for hs in handles]
+
+            @tf.function
+            def scatter_fn(pending):
+                for i, (hs, devs) in enumerate(zip(handles, devices)):
+                    for h, dev, local, delta in zip(hs, devs, pending[2 * i],
+                                                    pending[2 * i + 1]):
+                        with tf.device(dev):
+                            tf.raw_ops.ResourceScatterAdd(
+                                resource=h, indices=local,
+                                updates=tf.reshape(delta, [-1, delta.shape[-1]]))
+                return tf.constant(0)
+
+            self._scatter_fn = scatter_fn
+        self._scatter_fn([dtensor.unpack(t) for t in pending])
 
 
 def _sum_repeated(ids: tf.Tensor, grads: tf.Tensor):

@@ -326,6 +326,8 @@ class Steps:
             self._custom_eval_body if "test_step" in self.custom else self._eval_body,
             "evaluate", stacked=False)
         self._predict = _function(self._predict_body, jit_compile=config.jit_compile)
+        self._take = tf.function(autograph=False, func=lambda stack, i: tuple(
+            tf.nest.map_structure(lambda t: tf.gather(t, i), part) for part in stack))
 
     # -- a model's own train_step / test_step ----------------------------------------------------
     def _prepare_custom_steps(self, loss, config: StepConfig) -> None:
@@ -471,10 +473,11 @@ class Steps:
                 predictions = None
         # The reported loss is Keras's: the data loss plus the model's regularization losses.
         loss = self._normalized(total, count) + penalty
+        if self.sparse is not None:  # first: lazy Adam reads the step before its increment
+            # The touched rows' changes, added in place after the step (Steps.train).
+            self._sparse_changes = self.sparse.apply(*self._sparse_pending)
 
         def update():
-            if self.sparse is not None:  # first: lazy Adam reads the step before its increment
-                self.sparse.apply(*self._sparse_pending)
             if self._masters is None:
                 self.optimizer.apply_gradients(zip(grads, variables))
             else:
@@ -578,7 +581,10 @@ class Steps:
 
         def one(batch):
             self.trace_counts[name] += 1
-            return body(batch)
+            out = body(batch)
+            if name == "train" and self.sparse is not None:
+                return out, self._sparse_changes
+            return out
 
         def many(stack):
             self.trace_counts[name] += 1
@@ -611,7 +617,20 @@ class Steps:
                              "runs one step per call: give unstacked batches "
                              "(steps_per_execution=1)")
         self._last_custom = "train_step" in self.custom
-        return (self._train_many if stacked else self._train_one)(tuple(batch))
+        if self.sparse is None:
+            return (self._train_many if stacked else self._train_one)(tuple(batch))
+        # Sparse tables: each step's touched rows are added in place between compiled calls
+        # (dtk.train.sparse), so a stack runs as one call per step.
+        if not stacked:
+            loss, changes = self._train_one(tuple(batch))
+            self.sparse.scatter(changes)
+            return loss
+        count = int(tf.nest.flatten(batch[1])[0].shape[0])
+        for i in range(count):
+            index = dtensor.copy_to_mesh(tf.constant(i), dtensor.Layout.replicated(self.mesh, 0))
+            loss, changes = self._train_one(self._take(tuple(batch), index))
+            self.sparse.scatter(changes)
+        return loss
 
     def evaluate(self, batch) -> tf.Tensor:
         """Accumulates loss and metrics over one (unstacked) batch; updates nothing else."""
