@@ -308,9 +308,12 @@ def test_the_dense_update_says_why_and_what_it_costs(caplog):
             "StepConfig(sparse_tables=True) updates the touched rows only)") in caplog.text
 
 
-def test_dict_features_run_several_steps_per_call_like_one_step_per_call():
+@pytest.mark.parametrize("sparse", [False, True])
+def test_dict_features_run_several_steps_per_call_like_one_step_per_call(sparse):
     """A model with a dict of inputs on the Trainer's several-steps-per-call path (it gathered the
-    step's batch with tf.gather on the dict and failed: "Expected any non-tensor type")."""
+    step's batch with tf.gather on the dict and failed: "Expected any non-tensor type"). With
+    sparse tables a stack runs one compiled call per step, each step's rows added in place
+    before the next reads them."""
     mesh = dtk.build_mesh("batch=4,model=2")
     log = clicks.ClickLog(SMALL)
     losses = {}
@@ -320,7 +323,9 @@ def test_dict_features_run_several_steps_per_call_like_one_step_per_call():
         trainer = dtk.Trainer(mesh=mesh, model=FACTORY, layout="recsys",
                               optimizer=dtk.make_optimizer("adagrad", mesh, learning_rate=0.1),
                               loss="binary_crossentropy",
-                              config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=spe))
+                              config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=spe,
+                                                       sparse_tables=sparse))
+        assert (trainer.steps.sparse is not None) == sparse
         losses[spe] = trainer.fit(data, epochs=2).history["loss"]
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-6)
 
