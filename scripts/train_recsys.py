@@ -36,8 +36,9 @@ flags.DEFINE_integer("epochs", 1, "Passes over the training examples (one, as cl
                      "trained: a second pass memorizes the tail ids and loses AUC).")
 flags.DEFINE_integer("data_seed", 0, "The click log's seed (its ids, hidden model and labels).")
 flags.DEFINE_enum("optimizer", "adam", ["adam", "adagrad", "sgd"], "Optimizer.")
-flags.DEFINE_bool("sparse_tables", False, "Update only the touched rows of the row-sharded tables "
-                  "(Adam becomes lazy Adam; slower under DTensor today: BUILD.md, recommender).")
+flags.DEFINE_bool("sparse_tables", False, "Update only the touched rows of the sharded tables "
+                  "(Adam becomes lazy Adam; a step time flat in the table size: BUILD.md, "
+                  "recommender).")
 
 
 def _table_sizes() -> tuple[int, ...]:

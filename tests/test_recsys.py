@@ -202,8 +202,19 @@ def _lazy_adam_reference():
     return np.array([float(step(f, y)) for f, y in _batches()])
 
 
+def _columns(axis):
+    """TorchRec's column-wise sharding: the two largest tables' columns split over ``axis``."""
+    return layouts.LayoutTable(
+        name=f"recsys_columns_{axis}", description="tables 0 and 1 sharded on their columns",
+        axes=("batch", "model") if axis == "model" else ("batch",),
+        rules=(layouts.LayoutRule(pattern=r"table[01]\.embeddings", dims=(None, axis)),))
+
+
 @pytest.mark.parametrize("spec, table, opt_name, sparse", [
     ("batch=4,model=2", "recsys", "adagrad", True),
+    ("batch=4,model=2", _columns("model"), "adam", True),
+    pytest.param("batch=8", _columns("batch"), "sgd", True, marks=pytest.mark.slow),
+    pytest.param("batch=4,model=2", _columns("model"), "adagrad", True, marks=pytest.mark.slow),
     pytest.param("batch=2,model=4", "recsys", "sgd", True, marks=pytest.mark.slow),
     pytest.param("batch=8", "recsys_batch_rows", "adam", False, marks=pytest.mark.slow),
     pytest.param("batch=8", "recsys_batch_rows", "adagrad", True, marks=pytest.mark.slow),
@@ -212,15 +223,17 @@ def _lazy_adam_reference():
     pytest.param("batch=4,model=2", "recsys", "sgd", False, marks=pytest.mark.slow),
     pytest.param("batch=8", "recsys_batch_rows", "adagrad", False, marks=pytest.mark.slow),
 ])
-def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_name, sparse):
-    """Row-sharded tables on every mesh against one device, 20 steps (1e-5), dense (the default)
-    and sparse: SGD and Adagrad updating only the touched rows give the dense update's numbers,
-    and lazy Adam (Adam with sparse_tables=True) matches a one-device lazy Adam."""
+def test_dlrm_with_sharded_tables_trains_like_one_device(spec, table, opt_name, sparse):
+    """Row- and column-sharded tables on every mesh against one device, 20 steps (1e-5), dense
+    (the default) and sparse: SGD and Adagrad updating only the touched rows give the dense
+    update's numbers, and lazy Adam (Adam with sparse_tables=True) matches a one-device lazy
+    Adam."""
     mesh = dtk.build_mesh(spec)
     model, _ = layouts.build_model(FACTORY, mesh, table, seed=7)
     axis = "model" if "model" in spec else "batch"
+    dims = [axis, "unsharded"] if isinstance(table, str) else ["unsharded", axis]
     for t in (0, 1):
-        assert dtensor.fetch_layout(model.get_layer(f"table{t}").embeddings).sharding_specs[0] == axis
+        assert dtensor.fetch_layout(model.get_layer(f"table{t}").embeddings).sharding_specs == dims
     assert dtensor.fetch_layout(model.get_layer("table2").embeddings).sharding_specs[0] == "unsharded"
     steps = dtk.Steps(model, loss="binary_crossentropy", optimizer=_optimizer(opt_name, mesh),
                       mesh=mesh, config=dtk.StepConfig(shard_optimizer_state=False,
@@ -232,7 +245,7 @@ def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_na
         assert not any(v.shape == (64, 8) or v.shape == (32, 8) for v in steps.optimizer.variables)
         for t in steps.sparse.tables:
             for slot in t.slots.values():
-                assert dtensor.fetch_layout(slot).sharding_specs[0] == axis
+                assert dtensor.fetch_layout(slot).sharding_specs == dims
     losses = [float(steps.train(input_lib.pack(mesh, (f, y, np.ones(B, np.float32)))))
               for f, y in _batches()]
     reference = _lazy_adam_reference() if sparse is True and opt_name == "adam" else \
@@ -243,6 +256,7 @@ def test_dlrm_with_row_sharded_tables_trains_like_one_device(spec, table, opt_na
 
 @pytest.mark.parametrize("opt_name, sparse, first, second", [
     ("adagrad", True, ("batch=4,model=2", "recsys"), ("batch=8", "recsys_batch_rows")),
+    ("adam", True, ("batch=8", _columns("batch")), ("batch=4,model=2", "recsys")),
     pytest.param("adam", True, ("batch=8", "recsys_batch_rows"), ("batch=2,model=4", "recsys"),
                  marks=pytest.mark.slow),
 ])

@@ -1,10 +1,11 @@
-"""Sparse row updates of embedding tables sharded on their rows: only the rows a step touched.
+"""Sparse row updates of sharded embedding tables: only the rows a step touched.
 
 A recommender's tables are most of its weights, and a step looks up a few thousand of their
 millions of rows. A dense update (the gradient as a full table, the optimizer over every row and
 every slot) costs time and memory in proportion to the table; TorchRec's fused optimizers update
 only the touched rows. dtk does the same for tables sharded on their rows (``dtk.parallel.ops``
-looks them up block by block):
+looks them up block by block) or on their columns (DTensor's own gather); replicated tables,
+small by the layout table's choice, keep the dense update:
 
 * The gradient reaches the update as ``[n, dim]`` rows (n ids of the global batch), never at full
   size: the step differentiates the loss with respect to each lookup's output, not the table.
@@ -88,7 +89,7 @@ class _Table:
 
 
 class SparseTables:
-    """The row-sharded tables of one model that a step updates sparsely, and their optimizer state.
+    """The sharded tables of one model that a step updates sparsely, and their optimizer state.
 
     The state variables have the table's layout (each device holds its rows' state) and are
     attributes of the optimizer, so checkpoints save and restore them with it.
@@ -102,7 +103,8 @@ class SparseTables:
         self.batch_axis = batch_axis
         self.tables: list[_Table] = []
         slots = {}
-        for layer in tables_of(model):
+        for layer in sharded_tables_of(model):
+            _record_lookups(layer)
             variable = getattr(layer.embeddings, "_variable", layer.embeddings)
             layout = dtensor.fetch_layout(variable)
             own = {}
@@ -176,7 +178,7 @@ class SparseTables:
     def _update(self, table: _Table, ids, grads, lr, step) -> list[tf.Tensor]:
         mesh = table.layout.mesh
         rows_axis, cols_axis = table.layout.sharding_specs
-        shards = mesh.dim_size(rows_axis)
+        shards = 1 if rows_axis == dtensor.UNSHARDED else mesh.dim_size(rows_axis)
         per = table.variable.shape[0] // shards
         ids = dtensor.relayout(tf.cast(ids, tf.int32), dtensor.Layout.replicated(mesh, 1))
         grads = dtensor.relayout(grads, dtensor.Layout.replicated(mesh, 2))
@@ -193,6 +195,8 @@ class SparseTables:
         local = unique % per
 
         def read(variable):
+            if shards == 1:  # sharded on its columns: DTensor gathers from it
+                return tf.gather(variable, unique)
             return ops.row_sharded_lookup(variable, unique, table.layout, None)
 
         def change(delta):
@@ -285,6 +289,42 @@ def tables_of(model: tf_keras.Model) -> list[tf_keras.layers.Embedding]:
             and getattr(layer, "_dtk_table_layout", None) is not None]
 
 
+def sharded_tables_of(model: tf_keras.Model) -> list[tf_keras.layers.Embedding]:
+    """The Embedding layers whose tables are sharded on their rows or their columns: the tables
+    a sparse update serves (a replicated table is small enough for the dense update)."""
+    out = []
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if not isinstance(layer, tf_keras.layers.Embedding):
+            continue
+        table = getattr(layer.embeddings, "_variable", layer.embeddings)
+        try:
+            layout = dtensor.fetch_layout(table)
+        except (ValueError, TypeError, tf.errors.OpError):  # not a DTensor (a plain build)
+            continue
+        if any(spec != dtensor.UNSHARDED for spec in layout.sharding_specs):
+            out.append(layer)
+    return out
+
+
+def _record_lookups(layer: tf_keras.layers.Embedding) -> None:
+    """Makes a column-sharded table's layer record its (ids, output) pairs, as dtk's lookup of a
+    row-sharded table does (``ops._row_sharded_embedding_call``)."""
+    if getattr(layer, "_dtk_table_layout", None) is not None or \
+            getattr(layer, "_dtk_records", False):
+        return
+    keras_call = layer.call
+
+    def call(inputs):
+        out = keras_call(inputs)
+        if getattr(layer, "_dtk_sparse", False):
+            ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
+            layer._dtk_lookups.append((ids, out))  # pylint: disable=protected-access
+        return out
+
+    layer.call = call
+    layer._dtk_records = True  # pylint: disable=protected-access
+
+
 def choose(model: tf_keras.Model, optimizer, mode: bool, *, batch_axis: str,
            accumulation: int = 1, custom_step: bool = False) -> tuple[SparseTables | None, str]:
     """The sparse tables of ``model`` under ``StepConfig.sparse_tables`` (``mode``), or None with
@@ -295,7 +335,7 @@ def choose(model: tf_keras.Model, optimizer, mode: bool, *, batch_axis: str,
     Raises:
       ValueError: ``mode=True`` with an optimizer, option or step that has no sparse update.
     """
-    if not mode or not tables_of(model):
+    if not mode or not sharded_tables_of(model):
         return None, "the default; StepConfig(sparse_tables=True) updates the touched rows only"
     kind, reason = optimizer_kind(optimizer)
     blockers = [why for why, on in (
@@ -309,5 +349,5 @@ def choose(model: tf_keras.Model, optimizer, mode: bool, *, batch_axis: str,
             "for the dense update")
     tables = SparseTables(model, optimizer, kind, batch_axis)
     names = ", ".join(t.layer.name for t in tables.tables)
-    _log.info("sparse row updates (%s) for the tables sharded on their rows: %s", kind, names)
+    _log.info("sparse row updates (%s) for the sharded tables: %s", kind, names)
     return tables, ""

@@ -124,7 +124,7 @@ class TrainerConfig:
         Measured on the LM (dim 512, 4 blocks, 148 MiB per checkpoint, ``batch=8``): training
         stalls 1.1 s per save instead of 3.6 s (``scripts/bench_checkpoint.py``). False writes
         each checkpoint before the next step (no host copy of the state).
-      sparse_tables: True updates only the touched rows of tables sharded on their rows (see
+      sparse_tables: True updates only the touched rows of the sharded tables (see
         ``dtk.StepConfig``); False (the default) every row.
     """
 
