@@ -385,10 +385,12 @@ def test_tables_four_times_a_device_budget_train_row_sharded_over_8_devices(tmp_
 
 
 @pytest.mark.slow
-def test_train_recsys_trains_on_two_clients_like_one(tmp_path):
-    """Under the launcher, 2 clients x 4 devices give the losses of 1 client x 8 (1e-5)."""
+@pytest.mark.parametrize("update", [(), ("--sparse_tables",)], ids=["dense", "sparse"])
+def test_train_recsys_trains_on_two_clients_like_one(tmp_path, update):
+    """Under the launcher, 2 clients x 4 devices give the losses of 1 client x 8 (1e-5), with
+    dense updates and with sparse ones (lazy Adam: each client adds its own devices' rows)."""
     flags = ("--train_examples", "16384", "--heldout_examples", "4096", "--global_batch_size",
-             "512", "--table_sizes", "4096,512,64,8")
+             "512", "--table_sizes", "4096,512,64,8", *update)
     one, _ = _train_recsys(tmp_path, "one", *flags)
     summary = tmp_path / "two.json"
     res = subprocess.run(
