@@ -11,6 +11,11 @@ Example (issue 24's model: 772.7 MiB of weights, 4 clients x 2 devices)::
 
     python scripts/bench_memory.py --dim 2048 --layers 4
 
+``--workload recsys`` runs ``scripts/train_recsys.py`` instead (tables of ``--table_sizes`` rows,
+variants ``rows8``, ``rows8_sparse``: rows over all 8 devices, dense or sparse updates;
+``rows_model``, ``rows_model_sparse``: rows over ``model`` on ``batch=4,model=2``), e.g.
+``python scripts/bench_memory.py --workload recsys --table_sizes 8388608,4096,256,16``.
+
 Variants (``--variants``, comma-separated):
 
 * ``tp``: ``--mesh batch=1,model=8`` (Megatron table over all 8 devices)
@@ -53,6 +58,14 @@ VARIANTS = {
     "seq8_blockwise": ["--mesh", "batch=1,seq=8", "--noshard_optimizer_state", "--attention",
                        "blockwise"],
     "seq8": ["--mesh", "batch=1,seq=8", "--noshard_optimizer_state"],
+}
+# issue 43: a recommender whose tables are larger than a device (--workload recsys,
+# scripts/train_recsys.py): rows over every device, dense or sparse updates; rows over `model`.
+RECSYS_VARIANTS = {
+    "rows8": ["--mesh", "batch=8", "--layout", "recsys_batch_rows"],
+    "rows8_sparse": ["--mesh", "batch=8", "--layout", "recsys_batch_rows", "--sparse_tables"],
+    "rows_model": ["--mesh", "batch=4,model=2", "--layout", "recsys"],
+    "rows_model_sparse": ["--mesh", "batch=4,model=2", "--layout", "recsys", "--sparse_tables"],
 }
 # Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
 # dtk ends the process early, see dtk.cluster.env.exit_process).
@@ -107,17 +120,31 @@ print("DTK_PLANNED", json.dumps(out))
     raise SystemExit(f"error: planning the variants failed: {res.stderr.strip()[-400:]}")
 
 
+def _script_flags(flags: list[str], args, dim: int, summary: str) -> list[str]:
+    """The script and its flags for a variant of ``args.workload``."""
+    if args.workload == "recsys":
+        tables = args.table_sizes if dim else args.baseline_table_sizes
+        return [os.path.join(REPO, "scripts", "train_recsys.py"), *flags,
+                "--table_sizes", tables, "--dim", str(args.table_dim),
+                "--global_batch_size", str(args.global_batch_size),
+                "--train_examples", str(args.steps * args.global_batch_size),
+                "--heldout_examples", str(args.global_batch_size), "--summary_json", summary]
+    return [os.path.join(REPO, "scripts", "train_lm.py"),
+            *flags, "--dim", str(dim), "--layers", str(args.layers),
+            "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
+            "--heads", str(args.heads),
+            "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
+            "--sample_bytes", "0", "--summary_json", summary]
+
+
 def run_variant(name: str, flags: list[str], args, dim: int, timeout: float) -> dict:
+    """One variant's clients, each reporting its peak RSS; ``dim`` 0 is the recommender's
+    baseline (``--baseline_table_sizes``)."""
     with tempfile.TemporaryDirectory(prefix="dtk-bench-memory-") as tmp:
         summary = os.path.join(tmp, "summary.json")
         command = [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", str(args.num_clients),
                    "--devices_per_client", str(args.devices_per_client), "--",
-                   sys.executable, "-c", SHIM, os.path.join(REPO, "scripts", "train_lm.py"),
-                   *flags, "--dim", str(dim), "--layers", str(args.layers),
-                   "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
-                   "--heads", str(args.heads),
-                   "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
-                   "--sample_bytes", "0", "--summary_json", summary]
+                   sys.executable, "-c", SHIM, *_script_flags(flags, args, dim, summary)]
         try:
             res = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         except subprocess.TimeoutExpired:
@@ -179,11 +206,21 @@ def main() -> int:
                         "mesh must suit --heads: tp needs heads divisible by 8)")
     parser.add_argument("--baseline_seq_len", type=int, help="the baseline's --seq_len "
                         "(default --seq_len; long contexts: a short one, the fixed cost)")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", help="comma-separated (default: every variant of the "
+                        "workload)")
+    parser.add_argument("--workload", choices=("lm", "recsys"), default="lm",
+                        help="lm: scripts/train_lm.py; recsys: scripts/train_recsys.py")
+    parser.add_argument("--table_sizes", default="8388608,4096,256,16",
+                        help="recsys: the tables' rows")
+    parser.add_argument("--baseline_table_sizes", default="1024,256,64,16",
+                        help="recsys: the baseline's tables (the fixed cost)")
+    parser.add_argument("--table_dim", type=int, default=16, help="recsys: the tables' dim")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    names = [v for v in args.variants.split(",") if v]
+    if args.workload == "recsys":
+        return _recsys(args)
+    names = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}", file=sys.stderr)
@@ -195,12 +232,19 @@ def main() -> int:
                            args.baseline_dim, args.timeout)
     args.seq_len = seq_len
     baseline["variant"] = f"baseline (dim {args.baseline_dim}, {args.baseline_variant})"
+    return _measure(args, VARIANTS, names, baseline, args.dim, planned)
+
+
+def _measure(args, variants: dict, names: list[str], baseline: dict, dim: int,
+             planned: dict | None = None) -> int:
+    """Runs each variant after the baseline, printing its row as it ends, then the table
+    (the plan's figures: ``planned``, else the run's own summary)."""
     baseline["planned_per_client"] = 0
     print(table([baseline], None), flush=True)
     rows = []
     for name in names:
-        rows.append(run_variant(name, VARIANTS[name], args, args.dim, args.timeout))
-        if "error" not in rows[-1]:
+        rows.append(run_variant(name, variants[name], args, dim, args.timeout))
+        if planned and "error" not in rows[-1]:
             rows[-1]["planned_per_device"] = planned[name]
             rows[-1]["planned_per_client"] = planned[name]["total"] * args.devices_per_client
         print(table([rows[-1]], baseline).splitlines()[-1], flush=True)
@@ -209,6 +253,23 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "baseline": baseline, "rows": rows}, f, indent=1)
     return 0
+
+
+def _recsys(args) -> int:
+    """The recommender: each variant's peak RSS per client against its tables' planned share
+    (weights + optimizer state per device, from the run's own plan), over a baseline with small
+    tables. The global batch defaults to 1,024 here."""
+    if args.global_batch_size == 8:  # the LM's default
+        args.global_batch_size = 1024
+    names = [v for v in (args.variants or ",".join(RECSYS_VARIANTS)).split(",") if v]
+    unknown = [v for v in names if v not in RECSYS_VARIANTS]
+    if unknown:
+        print(f"error: unknown variants {unknown}; choose from {list(RECSYS_VARIANTS)}",
+              file=sys.stderr)
+        return 2
+    baseline = run_variant("baseline", RECSYS_VARIANTS[names[0]], args, 0, args.timeout)
+    baseline["variant"] = f"baseline ({args.baseline_table_sizes})"
+    return _measure(args, RECSYS_VARIANTS, names, baseline, args.table_dim)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ def _check_flags():
 
 
 def _setup():
-    """Every check before training; returns (spec, mesh, table, factory, log, plan)."""
+    """Every check before training; returns (spec, mesh, table, factory, log, plan, the plan's
+    bytes per device)."""
     import functools  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
     _check_flags()
@@ -79,18 +80,69 @@ def _setup():
     except ValueError as e:
         raise UsageError(f"--table_sizes: {e}") from None
     factory = functools.partial(models.dlrm, table_sizes=sizes, dim=FLAGS.dim)
+    planned = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
-        raise UsageError("--mesh auto and --explain_plan do not plan recommenders yet (issue 43); "
-                         "give a mesh, e.g. --mesh batch=4,model=2")
+        planned, report = _plan_tables(sizes)
+        if FLAGS.explain_plan:
+            print(report)
+            return None
+        FLAGS.mesh = ",".join(f"{k}={v}" for k, v in planned.sizes.items())
+        print(f"--mesh auto: {FLAGS.mesh}; " + "; ".join(
+            f"{o.table.path.split('.')[0]} {o.label()}" for o in planned.chosen), flush=True)
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
+    if planned is not None:
+        table = planned.layout_table()
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     slots = {"adam": 2, "adagrad": 1, "sgd": 0}[FLAGS.optimizer]
+    memory = layouts.memory_per_device(plan, optimizer_slots=slots, shard_optimizer_state=False)
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=slots,
                                     shard_optimizer_state=False)
-    return spec, mesh, table, factory, log, plan
+    return spec, mesh, table, factory, log, plan, memory
+
+
+def _plan_tables(sizes):
+    """``--mesh auto`` / ``--explain_plan``: each table's placement and the mesh
+    (``dtk.planning.tables``), from the flags alone (the tables are never built to plan them).
+
+    Returns:
+      (the chosen ``TablePlan``, the report ``--explain_plan`` prints).
+    """
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from dtk.planning import tables  # pylint: disable=g-import-not-at-top
+    given = [f"--{n}" for n in ("layout", "fsdp", "remat") if FLAGS[n].present] + \
+        (["--grad_accum"] if FLAGS.grad_accum != 1 else [])
+    if given:
+        raise UsageError(f"--mesh auto and --explain_plan place the tables themselves; drop "
+                         f"{', '.join(given)}, or give a mesh")
+    kind = mesh_lib.resolve_device_type(FLAGS.device or "auto")
+    virtual = FLAGS.virtual_devices
+    if kind == "CPU" and virtual is None:
+        virtual = cli.DEFAULT_CPU_DEVICES
+    devices = mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
+    # The rest of the model from a build with 2-row tables: its weights and layer widths.
+    small = models.dlrm(table_sizes=(2,) * len(sizes), dim=FLAGS.dim)
+    dense_bytes = sum(int(w.shape.num_elements()) * 4 for w in small.weights
+                      if not w.name.split("/")[-1].startswith("embeddings"))
+    example_bytes = 4 * sum(getattr(layer, "units", 0) for layer in small.layers) + \
+        4 * FLAGS.dim * len(sizes)
+    del small
+    found = [tables.Table(path=f"table{t}.embeddings", rows=rows, dim=FLAGS.dim)
+             for t, rows in enumerate(sizes)]
+    slots = {"adam": 2, "adagrad": 1, "sgd": 0}[FLAGS.optimizer]
+    budget = FLAGS.device_memory_gb * 2 ** 30 if FLAGS.device_memory_gb else None
+    kwargs = dict(global_batch_size=FLAGS.global_batch_size, dense_bytes=dense_bytes,
+                  example_bytes=example_bytes)
+    try:
+        best, candidates = tables.plan_mesh(found, devices, budget=budget,
+                                            optimizer_slots=slots, sparse=FLAGS.sparse_tables,
+                                            **kwargs)
+    except ValueError as e:
+        raise UsageError(f"--mesh auto: {e}") from None
+    return best, tables.explain(best, candidates, **kwargs)
 
 
 def run() -> dict:
@@ -100,7 +152,10 @@ def run() -> dict:
     from dtk.data import clicks  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
-    spec, mesh, table, factory, log, plan = _setup()
+    setup = _setup()
+    if setup is None:  # --explain_plan printed its report
+        return {}
+    spec, mesh, table, factory, log, plan, memory = setup
     lead = dtk.cluster.env.is_lead_client()
     say = print if lead else (lambda *a, **k: None)
     say(dtk.describe_mesh(mesh), flush=True)
@@ -160,12 +215,13 @@ def run() -> dict:
     cli.keep_until_exit(train, heldout)
     return {
         "export": exported, "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(),
-        "layout": FLAGS.layout, "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
+        "layout": table.name, "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
         "table_sizes": list(log.config.table_sizes), "optimizer": FLAGS.optimizer,
         "steps": trainer.global_step, "train_loss": history.history.get("loss", []),
         "heldout_curve": curve, "heldout_auc": auc, "heldout_log_loss": loss,
         "best_auc": best, "auc_gap": best - auc,
         "ms_per_step_median": trainer.timing.ms_per_step_median(skip_epoch=0),
+        "planned_bytes_per_device": memory,
         "wall_s": time.perf_counter() - _START,
     }
 

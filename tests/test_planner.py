@@ -387,6 +387,7 @@ def test_the_planner_counts_the_sequence_sharded_over_seq():
     assert by["batch=1,seq=8 zero"].memory["activations"] == pytest.approx(act / 8, rel=0.02)
     text = one_row.explain()
     assert "batch=1,seq=8 zero" in text and "a seq axis: each attention layer's keys" in text
+    assert "times the all-gather against the all-to-all to heads (Ulysses)" in text
     # a sequence length the axis cannot divide is a reason, not a crash
     odd = {c.label: c for c in _plan(functools.partial(long, seq_len=12), batch=8, lm=True,
                                      seq_len=12).candidates}

@@ -19,6 +19,7 @@ from dtk import models
 from dtk.data import clicks
 from dtk.data import input as input_lib
 from dtk.parallel import layouts
+from dtk.planning import tables as tables_lib
 from tests import procs
 
 SMALL = clicks.ClickLogConfig(table_sizes=(64, 32, 8, 4), seed=3)
@@ -405,12 +406,102 @@ def test_train_recsys_trains_on_two_clients_like_one(tmp_path, update):
     assert two["heldout_auc"] == pytest.approx(one["heldout_auc"], abs=1e-5)
 
 
+# -- the table planner (dtk.planning.tables) --------------------------------------------------
+BIG = [tables_lib.Table(path=f"table{t}.embeddings", rows=r, dim=16)
+       for t, r in enumerate((1 << 23, 4096, 256, 16))]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_table_planner_splits_large_tables_and_replicates_small_ones(sparse):
+    best, candidates = tables_lib.plan_mesh(BIG, 8, global_batch_size=1024, sparse=sparse,
+                                            dense_bytes=20_000, example_bytes=1_000)
+    chosen = {o.table.path: o for o in best.chosen}
+    # 1.5 GiB with Adam's state: replicated it would move the whole table every step
+    assert chosen["table0.embeddings"].kind in ("rows", "columns")
+    assert chosen["table3.embeddings"].kind == "replicated"  # 16 rows: cheaper than any split
+    assert best.sizes == {"batch": 8}
+    assert len(candidates) == 4 and all(p is not None for _, p, _ in candidates)
+    # the chosen mesh moves at most NEAR x the fewest bytes (the rest of the model counted),
+    # and no such mesh needs less memory a device
+    def total(p):
+        return p.moved + tables_lib.dense_moved(p.sizes, global_batch_size=1024,
+                                                dense_bytes=20_000, example_bytes=1_000)
+    fewest = min(total(p) for _, p, _ in candidates)
+    assert total(best) <= tables_lib.NEAR * fewest
+    assert best.memory == min(p.memory for _, p, _ in candidates
+                              if total(p) <= tables_lib.NEAR * fewest)
+    report = tables_lib.explain(best, candidates, global_batch_size=1024, dense_bytes=20_000,
+                                example_bytes=1_000)
+    assert "* batch=8" in report and "table0.embeddings [8388608, 16]" in report
+    assert "not replicated" in report and "moves more bytes" in report
+
+
+def test_the_table_planner_keeps_to_the_memory_budget():
+    """A budget a quarter of the tables (weights + Adam state): meshes that cannot split the
+    table 8 ways are ruled out with the arithmetic, and the choice fits."""
+    total = sum(t.nbytes for t in BIG) * 3
+    budget = total / 4
+    best, candidates = tables_lib.plan_mesh(BIG, 8, global_batch_size=1024, budget=budget)
+    assert best.memory <= budget
+    ruled_out = {tables_lib._mesh(s): why for s, p, why in candidates if p is None}  # pylint: disable=protected-access
+    assert "batch=4,model=2" in ruled_out and "does not fit" in ruled_out["batch=4,model=2"]
+    with pytest.raises(ValueError, match=r"no mesh of 8 devices holds the tables: .*"
+                       r"table0.embeddings \(8388608 x 16\) does not fit"):
+        tables_lib.plan_mesh(BIG, 8, global_batch_size=1024, budget=total / 16)
+
+
+@pytest.mark.parametrize("table, sizes, kind, message", [
+    (tables_lib.Table(path="t.embeddings", rows=1001, dim=16), {"batch": 8}, "rows",
+     "1001 rows do not divide over batch=8"),
+    (tables_lib.Table(path="t.embeddings", rows=1024, dim=12), {"batch": 1, "model": 8},
+     "columns", "dim 12 does not divide over model=8"),
+])
+def test_a_split_the_table_cannot_take_is_ruled_out_with_why(table, sizes, kind, message):
+    option = next(o for o in tables_lib.options(table, sizes, global_batch_size=64)
+                  if o.kind == kind)
+    assert option.why_not == message
+
+
+def test_the_planned_layout_table_trains_like_one_device():
+    """The planner's choice, as a layout table, on its mesh: the 20 losses of one device."""
+    small = [tables_lib.Table(path=f"table{t}.embeddings", rows=r, dim=8)
+             for t, r in enumerate(SMALL.table_sizes)]
+    best, _ = tables_lib.plan_mesh(small, 8, global_batch_size=B)
+    mesh = dtk.build_mesh(",".join(f"{k}={v}" for k, v in best.sizes.items()))
+    model, _ = layouts.build_model(FACTORY, mesh, best.layout_table(), seed=7)
+    steps = dtk.Steps(model, loss="binary_crossentropy", optimizer=_optimizer("adagrad", mesh),
+                      mesh=mesh, config=dtk.StepConfig(shard_optimizer_state=False))
+    losses = [float(steps.train(input_lib.pack(mesh, (f, y, np.ones(B, np.float32)))))
+              for f, y in _batches()]
+    np.testing.assert_allclose(losses, _reference("adagrad"), rtol=1e-5)
+
+
+def test_train_recsys_explains_and_follows_its_table_plan(tmp_path):
+    flags = ("--train_examples", "4096", "--heldout_examples", "1024", "--global_batch_size",
+             "512", "--table_sizes", "65536,512,64,8")
+    res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "train_recsys.py"),
+                          "--explain_plan", *flags], capture_output=True, text=True, timeout=200,
+                         cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "embedding tables: candidate meshes" in res.stdout
+    chosen = [line for line in res.stdout.splitlines() if line.startswith(" * ")]
+    assert len(chosen) == 1
+    summary, run = _train_recsys(tmp_path, "auto", "--mesh", "auto", *flags)
+    assert summary["mesh"] == chosen[0].split()[1]
+    assert "--mesh auto: " + summary["mesh"] in run.stdout
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--table_sizes", "100,x"), "--table_sizes must be integers"),
     (("--table_sizes", "100,1"), "--table_sizes needs one or more tables of at least 2 rows"),
     (("--train_examples", "0"), "--train_examples must be a positive integer; got 0"),
     (("--train_examples", "100"), "--train_examples 100 is less than one global batch"),
-    (("--mesh", "auto"), "--mesh auto and --explain_plan do not plan recommenders yet"),
+    (("--mesh", "auto", "--layout", "recsys"),
+     "--mesh auto and --explain_plan place the tables themselves; drop --layout"),
+    (("--explain_plan", "--grad_accum", "2"),
+     "--mesh auto and --explain_plan place the tables themselves; drop --grad_accum"),
+    (("--mesh", "auto", "--table_sizes", "4194304,4096,256,16", "--device_memory_gb", "0.01"),
+     "--mesh auto: no mesh of 8 devices holds the tables"),
     (("--mesh", "model=8"), "--mesh model=8: it has no 'batch' axis"),
     (("--table_sizes", "101,4096,256,16"), "table0.embeddings"),
     (("--mesh", "batch=1", "--virtual_devices", "8", "--table_sizes", "4194304,4096,256,16",

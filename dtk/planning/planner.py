@@ -1195,6 +1195,11 @@ def explain_plan(p: Plan) -> str:
                  + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
                      sorted(p.machine.gather.items())))
+    if any("seq=" in c.label for c in p.candidates):
+        lines.append("attention on a seq axis: priced as the all-gather of keys and values; at "
+                     "build time the layout table's sequence_attention (auto: the default) times "
+                     "the all-gather against the all-to-all to heads (Ulysses) on the chosen mesh "
+                     "and uses the faster, and the log says which (dtk.parallel.sequence)")
     lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "
                  f"{_mib(best.memory['total'])} per device")
     return "\n".join(lines)
