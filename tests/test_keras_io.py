@@ -4,6 +4,8 @@
 ``batch=4,model=2``, and exports a model that plain tf_keras loads with the same weights and
 predictions."""
 
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -37,16 +39,26 @@ def _fit(name, mesh_spec, *, epochs=2, **config):
                                   for n in zoo.EXAMPLES])
 def test_keras_io_example_trains_like_one_device_resumes_and_exports(name, tmp_path):
     one, _ = _fit(name, "batch=1")
-    runs = {spec: _fit(name, spec) for spec in ("batch=8", "batch=4,model=2")}
+    full = tmp_path / "full"
+    runs = {"batch=8": _fit(name, "batch=8"),
+            "batch=4,model=2": _fit(name, "batch=4,model=2", checkpoint_dir=str(full))}
     for spec, (history, _) in runs.items():
         assert set(history) == set(one), (spec, sorted(history), sorted(one))
         for key, values in one.items():
             np.testing.assert_allclose(history[key], values, rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name} on {spec}: {key}")
-    # Stopped after one epoch and resumed: the weights of the uninterrupted run, bit for bit.
+    # Resumed from the uninterrupted run's checkpoint after epoch 1 (alone in a directory, as a
+    # run stopped there leaves it): the weights of the uninterrupted run, bit for bit.
     _, uninterrupted = runs["batch=4,model=2"]
-    _fit(name, "batch=4,model=2", epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    first = min({f.name.split(".")[0] for f in full.glob("ckpt-*.index")},
+                key=lambda n: int(n.split("-")[1]))
+    (tmp_path / "ckpt").mkdir()
+    for f in full.glob(first + ".*"):
+        shutil.copy(f, tmp_path / "ckpt" / f.name)
     _, resumed = _fit(name, "batch=4,model=2", epochs=2, checkpoint_dir=str(tmp_path / "ckpt"))
+    # it resumed from that checkpoint, it did not start again
+    assert resumed._checkpointer.restored.endswith(first)  # pylint: disable=protected-access
+    assert resumed.global_step == uninterrupted.global_step > int(first.split("-")[1])
     want = dtk.gather_weights(uninterrupted.model)
     got = dtk.gather_weights(resumed.model)
     assert len(got) == len(want)
