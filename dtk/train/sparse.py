@@ -19,7 +19,9 @@ small by the layout table's choice, keep the dense update:
   in-place scatter, and ``tensor_scatter_nd_add`` inside the step copies each device's whole
   block per variable (2^23 x 16 rows on ``batch=8``: 37 ms a variable, against 1.3 ms in
   place). The scatter leaves the variable in copy-on-read mode, in which each later read copies
-  the block (110 ms a step at 2^23 rows): dtk turns it off after each scatter. A stack of steps (``steps_per_execution > 1``) runs as one compiled call per step.
+  the block (110 ms a step at 2^23 rows): dtk turns it off after each scatter (a buffer that a
+  read still holds is then copied before it is changed, TensorFlow's copy-on-write). A stack of
+  steps (``steps_per_execution > 1``) runs as one compiled call per step.
 
 The optimizers, with the table's own hyperparameters taken from the model's optimizer:
 
@@ -200,7 +202,9 @@ class SparseTables:
             return ops.row_sharded_lookup(variable, unique, table.layout, None)
 
         def change(delta):
-            # expand_dims, not [None]: DTensor's StridedSlice fails on the owners' layout
+            # expand_dims, not [None]: DTensor's StridedSlice fails on the owners' layout. (A
+            # product, not tf.where, which failed in DTensor here: a NaN change would reach the
+            # other blocks' row of the same local index, as a NaN gradient reaches every row.)
             return dtensor.relayout(tf.expand_dims(owned, 2) * tf.expand_dims(delta, 0),
                                     changes_layout)
 
