@@ -25,7 +25,7 @@ moves per step, summed over what the option does:
 Tables are split over ``model`` where the mesh has one, else over ``batch`` (every device): the
 layouts dtk ships and tests. The rest of the model is data parallel: its gradient's all-reduce
 and its activations (which a smaller ``batch`` axis repeats on more devices) count for every
-mesh; on equal bytes the larger ``batch`` axis wins.
+mesh.
 
 Table-wise placement (a whole table on some devices) is not an option: a DTensor tensor is laid
 out over the whole mesh. Bytes are a proxy for time, valid to compare options on one machine
