@@ -112,7 +112,7 @@ def _image_data():
 
 # -- "Bidirectional LSTM on IMDB" -----------------------------------------------------------------
 def bilstm_imdb():
-    inputs = tf_keras.Input(shape=(8,), dtype="int32")
+    inputs = tf_keras.Input(shape=(6,), dtype="int32")
     x = layers.Embedding(50, 8)(inputs)
     x = layers.Bidirectional(layers.LSTM(8, return_sequences=True))(x)
     x = layers.Bidirectional(layers.LSTM(8))(x)
@@ -124,7 +124,7 @@ def bilstm_imdb():
 
 def _imdb_data():
     rng = _rng()
-    return (rng.integers(1, 50, (N * B, 8)).astype(np.int32),
+    return (rng.integers(1, 50, (N * B, 6)).astype(np.int32),
             rng.integers(0, 2, (N * B, 1)).astype(np.float32))
 
 
@@ -199,7 +199,7 @@ def _ct_data():
 
 # -- "Next-frame video prediction with Convolutional LSTMs" --------------------------------------
 def next_frame_convlstm():
-    inp = layers.Input(shape=(4, 8, 8, 1))
+    inp = layers.Input(shape=(3, 8, 8, 1))
     x = layers.ConvLSTM2D(filters=8, kernel_size=(5, 5), padding="same", return_sequences=True,
                           activation="relu")(inp)
     x = layers.BatchNormalization()(x)
@@ -216,8 +216,8 @@ def next_frame_convlstm():
 
 def _frames_data():
     rng = _rng()
-    frames = (rng.random((N * B, 5, 8, 8, 1)) > 0.7).astype(np.float32)
-    return frames[:, :4], frames[:, 1:]
+    frames = (rng.random((N * B, 4, 8, 8, 1)) > 0.7).astype(np.float32)
+    return frames[:, :3], frames[:, 1:]
 
 
 # -- "Timeseries classification from scratch" ----------------------------------------------------
@@ -408,7 +408,7 @@ EXAMPLES: dict[str, Example] = {
         data=_image_data, changed="16x16 images, one residual block of 16 filters; "
         "RandomFlip and RandomRotation inside the model, as on the page"),
     "bilstm_imdb": Example(page="Bidirectional LSTM on IMDB", factory=bilstm_imdb,
-                           data=_imdb_data, changed="Input((8,)) not (None,): dtk unrolls "
+                           data=_imdb_data, changed="Input((6,)) not (None,): dtk unrolls "
                            "the LSTM loops (DTensor cannot lay out them), which needs a static "
                            "length; vocabulary 50, 8 units"),
     "text_transformer": Example(
@@ -433,7 +433,7 @@ EXAMPLES: dict[str, Example] = {
                      changed="12x12x8 volumes, 8 filters"),
     "next_frame_convlstm": Example(
         page="Next-frame video prediction with Convolutional LSTMs", factory=next_frame_convlstm,
-        data=_frames_data, changed="Input((4, 8, 8, 1)): a static number of frames (dtk "
+        data=_frames_data, changed="Input((3, 8, 8, 1)): a static number of frames (dtk "
         "unrolls ConvLSTM2D), 8 filters"),
     "timeseries_classification": Example(
         page="Timeseries classification from scratch", factory=timeseries_classification,
