@@ -41,6 +41,9 @@ flags.DEFINE_bool("sparse_tables", False, "Update only the touched rows of the s
                   "recommender).")
 
 
+_SLOTS = {"adam": 2, "adagrad": 1, "sgd": 0}  # optimizer state per weight, for the plans
+
+
 def _table_sizes() -> tuple[int, ...]:
     try:
         sizes = tuple(int(s) for s in FLAGS.table_sizes)
@@ -66,6 +69,7 @@ def _setup():
     bytes per device)."""
     import functools  # pylint: disable=g-import-not-at-top
     import dtk  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     _check_flags()
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.data import clicks  # pylint: disable=g-import-not-at-top
@@ -83,19 +87,22 @@ def _setup():
     planned = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
         planned, report = _plan_tables(sizes)
+        lead = dtk.cluster.env.is_lead_client()  # every client plans the same from the flags
         if FLAGS.explain_plan:
-            print(report)
+            if lead:
+                print(report)
             return None
         FLAGS.mesh = ",".join(f"{k}={v}" for k, v in planned.sizes.items())
-        print(f"--mesh auto: {FLAGS.mesh}; " + "; ".join(
-            f"{o.table.path.split('.')[0]} {o.label()}" for o in planned.chosen), flush=True)
+        if lead:
+            print(f"--mesh auto: {FLAGS.mesh}; " + "; ".join(
+                f"{o.table.path.split('.')[0]} {o.label()}" for o in planned.chosen), flush=True)
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
         table = planned.layout_table()
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
-    slots = {"adam": 2, "adagrad": 1, "sgd": 0}[FLAGS.optimizer]
+    slots = _SLOTS[FLAGS.optimizer]
     memory = layouts.memory_per_device(plan, optimizer_slots=slots, shard_optimizer_state=False)
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=slots,
@@ -132,7 +139,7 @@ def _plan_tables(sizes):
     del small
     found = [tables.Table(path=f"table{t}.embeddings", rows=rows, dim=FLAGS.dim)
              for t, rows in enumerate(sizes)]
-    slots = {"adam": 2, "adagrad": 1, "sgd": 0}[FLAGS.optimizer]
+    slots = _SLOTS[FLAGS.optimizer]
     budget = FLAGS.device_memory_gb * 2 ** 30 if FLAGS.device_memory_gb else None
     kwargs = dict(global_batch_size=FLAGS.global_batch_size, dense_bytes=dense_bytes,
                   example_bytes=example_bytes)

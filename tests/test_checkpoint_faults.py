@@ -125,7 +125,8 @@ def _tmpfs(path, options):
                          capture_output=True, text=True, timeout=20)
     if res.returncode:
         pytest.skip(f"mounting a tmpfs is not permitted here ({res.stderr.strip()[:80]}), so a "
-                    "read-only or full disk cannot be simulated")
+                    "read-only or full disk cannot be simulated; run these tests as root (CI "
+                    "does) to check dtk's storage errors")
     try:
         yield path
     finally:
