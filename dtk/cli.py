@@ -191,6 +191,20 @@ def check_shared_flags(values: Callable[[str], Any]) -> None:
             check_output_path(name, values(name), kind="file")
 
 
+def check_device(values: Callable[[str], Any]) -> None:
+    """``--device gpu``/``tpu`` on a machine without one: one line, before DTensor sees it.
+
+    Raises:
+      UsageError: no device of that kind is visible to TensorFlow.
+    """
+    device = values("device")
+    if device in ("gpu", "tpu"):
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        if not tf.config.list_physical_devices(device.upper()):
+            raise UsageError(f"--device {device}: this machine has no {device.upper()} that "
+                             "TensorFlow can see; use --device cpu (or auto)")
+
+
 # -- the planner ----------------------------------------------------------------------------------
 AUTO_MESH = "auto"
 DEFAULT_CPU_DEVICES = 8  # --mesh auto on CPU without --virtual_devices: as the default batch=8
@@ -230,6 +244,7 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
         if values("explain_layouts"):
             raise UsageError("--explain_plan and --explain_layouts each print one report and "
                              "exit; give one of them")
+    check_device(values)
     kind = mesh_lib.resolve_device_type(values("device") or "auto")
     if values("plot"):
         try:
@@ -254,6 +269,19 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
     return plan
 
 
+def check_explain_plan_mesh(flags) -> None:
+    """``--explain_plan`` compares every candidate mesh over this run's devices: a ``--mesh``
+    given with it would be ignored, so it is refused (``flags``: the script's absl FlagValues).
+
+    Raises:
+      UsageError: ``--explain_plan`` with ``--mesh SPEC`` (other than ``auto``).
+    """
+    if flags.explain_plan and flags["mesh"].present and flags.mesh != AUTO_MESH:
+        raise UsageError(f"--explain_plan compares the planner's candidate meshes over every "
+                         f"device, so it would ignore --mesh {flags.mesh}; drop --mesh (or see "
+                         "that mesh's weights with --explain_layouts)")
+
+
 def apply_plan(flags, plan) -> None:
     """Sets the flags the plan chose (``--mesh``, ``--fsdp``, ``--remat``, ``--grad_accum``)."""
     chosen = plan.chosen.config
@@ -273,6 +301,7 @@ def mesh_and_table(values: Callable[[str], Any]):
     """
     import dtk  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    check_device(values)
     try:
         spec = dtk.parse_mesh_spec(values("mesh"))
         if dtk.BATCH_AXIS not in spec.axis_names:

@@ -12,6 +12,7 @@ mixed precision, because a bfloat16 softmax cross-entropy loses accuracy.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 
 import tf_keras
@@ -249,6 +250,12 @@ def dlrm(*, table_sizes: tuple[int, ...] = (1 << 16, 1 << 12, 1 << 8, 16), num_d
     """
     if not table_sizes:
         raise ValueError("dlrm needs at least one table (table_sizes is empty)")
+    for name, value in (("table_sizes", table_sizes), ("num_dense", num_dense), ("dim", dim),
+                        ("bottom", bottom), ("top", top)):
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1
+               for v in values):
+            raise ValueError(f"dlrm: {name} must be positive integers; got {value!r}")
     dense = tf_keras.Input((num_dense,), name="dense")
     ids = tf_keras.Input((len(table_sizes),), dtype="int32", name="ids")
     x = dense

@@ -93,6 +93,7 @@ def _plan(dtk, table):
     """``--mesh auto`` / ``--explain_plan``: the planner's choice, applied to the flags."""
     from dtk import models  # pylint: disable=g-import-not-at-top
     model_spec = models.MODEL_SPECS[FLAGS.model]
+    cli.check_explain_plan_mesh(FLAGS)
     plan = cli.plan_from_flags(
         lambda name: getattr(FLAGS, name, None), model_spec.factory,
         input_shape=model_spec.input_shape, input_dtype="float32",
@@ -123,22 +124,12 @@ def _versions() -> dict:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def _check_device(dtk) -> None:
-    """``--device gpu``/``tpu`` on a machine without one: one line, before DTensor sees it."""
-    if FLAGS.device in ("gpu", "tpu"):
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
-        if not tf.config.list_physical_devices(FLAGS.device.upper()):
-            raise UsageError(f"--device {FLAGS.device}: this machine has no {FLAGS.device.upper()} "
-                        "that TensorFlow can see; use --device cpu (or auto)")
-    del dtk
-
-
 def run() -> dict:
     """Trains and evaluates as the flags say; returns the summary."""
     import dtk  # pylint: disable=g-import-not-at-top  (sets DTensor's env before TF traces)
     import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     spec, table = _check_flags(dtk)
-    _check_device(dtk)
+    cli.check_device(lambda name: getattr(FLAGS, name, None))
 
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top

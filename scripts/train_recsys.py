@@ -1,14 +1,15 @@
 """Train a DLRM-style recommender on a generated click log, its largest tables sharded on their rows.
 
     python scripts/train_recsys.py              # batch=8: AUC within 0.01 of the best, 80 s on 2 cores
-    python scripts/train_recsys.py --mesh batch=4,model=2 --layout recsys --table_sizes 1048576,4096,256,16
+    python scripts/train_recsys.py --mesh batch=4,model=2 --table_sizes 1048576,4096,256,16
 
 The data is ``dtk.data.clicks``: a click log generated from ``--data_seed`` one chunk at a time (ids
 with Zipf popularity, labels from a hidden model), so its best achievable AUC (the hidden model's own
 AUC on the held-out split) is known. The model (``dtk.models.dlrm``) reads 8 dense features through a
 bottom MLP and one id per table through ``table{t}``, takes the pairwise dot products and reads them
-with a top MLP. ``layouts/recsys_batch_rows.toml`` (the default) shards the two largest tables'
-rows over ``batch``, every device (``recsys``: over ``model``). Prints the mesh, the layout summary, the held-out log loss
+with a top MLP. Without ``--layout``, the mesh picks the table: ``layouts/recsys_batch_rows.toml``
+shards the two largest tables' rows over ``batch`` (every device), and on a mesh with a ``model``
+axis ``recsys`` shards them over ``model``. Prints the mesh, the layout summary, the held-out log loss
 and AUC every epoch, and at the end the AUC against the best achievable. ``--summary_json`` writes
 them. Re-running with the same ``--checkpoint_dir`` resumes. Errors are one ``error:`` line, exit
 status 2.
@@ -82,7 +83,8 @@ def _setup():
             interaction_scale=0.5 if len(sizes) >= 3 else 0.0,
             interaction_tables=(1, 2) if len(sizes) >= 3 else (0, 1)))
     except ValueError as e:
-        raise UsageError(f"--table_sizes: {e}") from None
+        flag = "--data_seed" if str(e).startswith("seed ") else "--table_sizes"
+        raise UsageError(f"{flag}: {e}") from None
     factory = functools.partial(models.dlrm, table_sizes=sizes, dim=FLAGS.dim)
     planned = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
@@ -99,6 +101,8 @@ def _setup():
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
         table = planned.layout_table()
+    elif not FLAGS["layout"].present and "model" in spec.axis_names:
+        table = layouts.load_table("recsys")  # the tables' rows over `model`, not over `batch`
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
@@ -120,6 +124,11 @@ def _plan_tables(sizes):
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     from dtk.planning import tables  # pylint: disable=g-import-not-at-top
+    cli.check_explain_plan_mesh(FLAGS)
+    if FLAGS.explain_plan and FLAGS.explain_layouts:
+        raise UsageError("--explain_plan and --explain_layouts each print one report and exit; "
+                         "give one of them")
+    cli.check_device(lambda name: getattr(FLAGS, name, None))
     given = [f"--{n}" for n in ("layout", "fsdp", "remat") if FLAGS[n].present] + \
         (["--grad_accum"] if FLAGS.grad_accum != 1 else [])
     if given:

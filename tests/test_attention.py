@@ -73,10 +73,19 @@ def test_no_tensor_of_the_full_score_shape_is_formed():
 @pytest.mark.parametrize("kwargs, message", [
     ({"dropout": 0.1}, "BlockwiseAttention does not drop attention probabilities"),
     ({"block_size": 0}, "block_size must be a positive integer; got 0"),
+    ({"num_heads": 0}, "BlockwiseAttention: num_heads must be a positive integer; got 0"),
+    ({"key_dim": 8.0}, "BlockwiseAttention: key_dim must be a positive integer; got 8.0"),
+    ({"block_size": "32"}, "block_size must be a positive integer; got '32'"),
 ])
 def test_bad_arguments_are_one_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        attention.BlockwiseAttention(4, 8, **kwargs)
+        attention.BlockwiseAttention(**{"num_heads": 4, "key_dim": 8, **kwargs})
+
+
+def test_the_function_checks_its_block_size():
+    q = tf.zeros([1, 8, 2, 4])
+    with pytest.raises(ValueError, match="block_size must be a positive integer; got 0"):
+        attention.blockwise_attention(q, q, q, block_size=0, causal=True)
 
 
 def test_a_block_size_that_does_not_divide_the_sequence_is_one_value_error():

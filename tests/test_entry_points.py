@@ -114,7 +114,7 @@ _RUNNER = textwrap.dedent("""
         FLAGS.unparse_flags()
         try:
             FLAGS([f"{script}.py", *argv])
-            if script == "train_lm":
+            if "_setup" in module:  # train_lm, train_recsys: every check before training
                 module["_setup"]()
             else:
                 module["_check_flags"](dtk)

@@ -211,6 +211,40 @@ def _columns(axis):
         rules=(layouts.LayoutRule(pattern=r"table[01]\.embeddings", dims=(None, axis)),))
 
 
+def _uniform_tables():
+    """Two Embedding tables with tf_keras' default initializer ("uniform") and a head."""
+    ids = tf_keras.Input((2,), dtype="int32")
+    a = tf_keras.layers.Embedding(64, 6, name="table0")(ids[:, 0])
+    b = tf_keras.layers.Embedding(32, 6, name="table1")(ids[:, 1])
+    return tf_keras.Model(ids, tf_keras.layers.Dense(1, name="out")(a * b))
+
+
+@pytest.mark.parametrize("spec, table, factory", [
+    ("batch=8", "recsys_batch_rows", FACTORY),
+    ("batch=4,model=2", "recsys", FACTORY),
+    ("batch=4,model=2", _columns("model"), FACTORY),
+    ("batch=8", "recsys_batch_rows", _uniform_tables),
+])
+def test_large_tables_are_drawn_by_block_with_the_plain_builds_values(monkeypatch, spec, table,
+                                                                      factory):
+    """A sharded table is drawn a block of rows at a time (never whole on a host), with the
+    values of the plain single-device build, bit for bit."""
+    from dtk.parallel import materialize  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(materialize, "_BLOCK_BYTES", 96)  # every table drawn by blocks of rows
+    drawn = []
+    real = materialize.drawn_shards
+    monkeypatch.setattr(materialize, "drawn_shards",
+                        lambda v, layout: drawn.append(real(v, layout)) or drawn[-1])
+    mesh = dtk.build_mesh(spec)
+    model, _ = layouts.build_model(factory, mesh, table, seed=7)
+    assert sum(d is not None for d in drawn) == 2  # the two sharded tables
+    tf_keras.utils.set_random_seed(7)
+    plain = {w.name: w.numpy() for w in factory().weights}
+    for weight in model.weights:
+        np.testing.assert_array_equal(dtk.global_value(weight), plain[weight.name],
+                                      err_msg=weight.name)
+
+
 @pytest.mark.parametrize("spec, table, opt_name, sparse", [
     ("batch=4,model=2", "recsys", "adagrad", True),
     ("batch=4,model=2", _columns("model"), "adam", True),
@@ -448,6 +482,54 @@ def test_the_table_planner_keeps_to_the_memory_budget():
     with pytest.raises(ValueError, match=r"no mesh of 8 devices holds the tables: .*"
                        r"table0.embeddings \(8388608 x 16\) does not fit"):
         tables_lib.plan_mesh(BIG, 8, global_batch_size=1024, budget=total / 16)
+
+
+_T = functools.partial(tables_lib.Table, path="t.embeddings")
+PLANNER_CASES = [  # (id, call, error, phrase): the table planner's, dlrm's and the log's arguments
+    ("rows 0", lambda: _T(rows=0, dim=16), ValueError,
+     "Table t.embeddings: rows must be a positive integer; got 0"),
+    ("dim -1", lambda: _T(rows=10, dim=-1), ValueError, "dim must be a positive integer; got -1"),
+    ("rows 1.5", lambda: _T(rows=1.5, dim=4), ValueError, "rows must be a positive integer; got 1.5"),
+    ("empty path", lambda: tables_lib.Table(path="", rows=8, dim=4), ValueError,
+     "Table path must be a weight's path"),
+    ("0 devices", lambda: tables_lib.plan_mesh([_T(rows=64, dim=8)], 0, global_batch_size=64),
+     ValueError, "devices must be a positive integer; got 0"),
+    ("no tables", lambda: tables_lib.plan_mesh([], 8, global_batch_size=64), ValueError,
+     "tables is empty"),
+    ("global batch 0", lambda: tables_lib.plan_mesh([_T(rows=64, dim=8)], 8, global_batch_size=0),
+     ValueError, "global_batch_size must be a positive integer; got 0"),
+    ("budget -1", lambda: tables_lib.plan_mesh([_T(rows=64, dim=8)], 8, global_batch_size=64,
+                                               budget=-1), ValueError,
+     "budget must be None or a positive, finite number of bytes per device; got -1"),
+    ("budget a string", lambda: tables_lib.plan_mesh([_T(rows=64, dim=8)], 8,
+                                                     global_batch_size=64, budget="1e9"),
+     ValueError, "budget must be None or a positive, finite number"),
+    ("no batch axis", lambda: tables_lib.plan([_T(rows=64, dim=8)], {"model": 8},
+                                              global_batch_size=64), ValueError,
+     "places tables on meshes of a 'batch' axis and maybe a 'model' axis"),
+    ("lookups 0", lambda: tables_lib.options(_T(rows=64, dim=8), {"batch": 8},
+                                             global_batch_size=64, lookups=0), ValueError,
+     "lookups must be a positive integer; got 0"),
+    ("slots -1", lambda: tables_lib.options(_T(rows=64, dim=8), {"batch": 8},
+                                            global_batch_size=64, optimizer_slots=-1), ValueError,
+     "optimizer_slots must be an integer >= 0"),
+    ("dlrm dim 0", lambda: models.dlrm(table_sizes=(64, 32), dim=0), ValueError,
+     "dlrm: dim must be positive integers; got 0"),
+    ("dlrm table of 0 rows", lambda: models.dlrm(table_sizes=(64, 0)), ValueError,
+     r"dlrm: table_sizes must be positive integers; got \(64, 0\)"),
+    ("dlrm no tables", lambda: models.dlrm(table_sizes=()), ValueError,
+     r"dlrm needs at least one table \(table_sizes is empty\)"),
+    ("log of a dict", lambda: clicks.ClickLog({"table_sizes": (8,)}), TypeError,
+     "config must be a dtk.data.clicks.ClickLogConfig"),
+]
+
+
+@pytest.mark.parametrize("call, error, phrase", [c[1:] for c in PLANNER_CASES],
+                         ids=[c[0] for c in PLANNER_CASES])
+def test_bad_planner_model_and_log_arguments_are_one_line(call, error, phrase):
+    with pytest.raises(error, match=phrase) as info:
+        call()
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("table, sizes, kind, message", [

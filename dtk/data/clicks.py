@@ -80,6 +80,9 @@ class ClickLogConfig:
             raise ValueError(f"zipf_exponent must be > 0; got {self.zipf_exponent}")
         if self.num_dense < 1:
             raise ValueError(f"num_dense must be >= 1; got {self.num_dense}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2^63); got {self.seed!r}")
         a, b = self.interaction_tables
         if self.interaction_scale and not (a != b and 0 <= min(a, b) and max(a, b) < len(self.table_sizes)):
             raise ValueError(f"interaction_tables must name two different tables of the "
@@ -115,6 +118,9 @@ class ClickLog:
     """The generated log of one ``ClickLogConfig``: its examples, datasets and best AUC."""
 
     def __init__(self, config: ClickLogConfig | None = None):
+        if config is not None and not isinstance(config, ClickLogConfig):
+            raise TypeError(f"config must be a dtk.data.clicks.ClickLogConfig (or None for the "
+                            f"default log); got {type(config).__name__}")
         self.config = config or ClickLogConfig()
         c = self.config
         self._dense_w = _normal(c.seed, 101, np.arange(c.num_dense)) / math.sqrt(c.num_dense)

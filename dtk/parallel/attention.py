@@ -45,6 +45,8 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
     ``[B, Tk, H, D]``; returns ``[B, Tq, H, D]``. The gradient recomputes each block's
     probabilities (FlashAttention), so memory is ``O(Tq * block_size)`` per row and head."""
     tk = k.shape[1]
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
     if tk % block_size:
         raise ValueError(f"block_size {block_size} does not divide the key length {tk}; use a "
                          f"block size that divides it (e.g. {math.gcd(tk, block_size)})")
@@ -114,8 +116,11 @@ class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
             raise ValueError(f"BlockwiseAttention does not drop attention probabilities "
                              f"(dropout={kwargs['dropout']}); pass dropout=0 (a transformer's "
                              "residual dropout is unaffected) or use MultiHeadAttention")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+        for name, value in (("num_heads", num_heads), ("key_dim", key_dim),
+                            ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockwiseAttention: {name} must be a positive integer; got "
+                                 f"{value!r}")
         super().__init__(num_heads, key_dim, **kwargs)
         self.block_size = block_size
         self._dtk_causal = False

@@ -115,6 +115,20 @@ def available_tables() -> list[str]:
     return sorted({p.stem for d in table_dirs() for p in d.glob("*.toml")})
 
 
+def _tables_naming(axis: str) -> str:
+    """`` (shipped: a, b)``: the shipped tables that shard on ``axis`` (rules or sequence), for
+    an error's advice; empty if none does."""
+    names = []
+    for path in sorted(shipped_tables_dir().glob("*.toml")):
+        try:
+            t = load_table(path)
+        except ValueError:
+            continue
+        if t.sequence_axis == axis or any(axis in r.dims for r in t.rules):
+            names.append(t.name)
+    return f" (shipped: {', '.join(names)})" if names else ""
+
+
 def load_table(name_or_path: str | os.PathLike) -> LayoutTable:
     """Reads a table by name (``data_parallel``) or from a path to a ``.toml`` file.
 
@@ -473,9 +487,8 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
         raise ValueError(
             f"mesh axis {axis!r} of size {sizes[axis]} shards no weight and no input with layout "
             f"table {table.name!r}: its {sizes[axis]} devices would repeat the same work. Use a "
-            f"table whose rules name {axis!r} (e.g. 'model' in mlp_model_parallel or "
-            f"transformer_lm), drop the axis from the mesh, or pass allow_replicated=True "
-            "(scripts: --allow_replicated)")
+            f"table whose rules name {axis!r}{_tables_naming(axis)}, drop the axis from the mesh, "
+            "or pass allow_replicated=True (scripts: --allow_replicated)")
     if any(a not in sizes for a in table.optional_axes):
         warnings.append(f"mesh has no axis {[a for a in table.optional_axes if a not in sizes]}: "
                         "dims laid out on it are unsharded")
@@ -716,7 +729,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "of the plain build is missing or has another shape in the laid-out "
                              "build; the factory must build the same model every time")
         materialize.assign_global(variable, functools.partial(
-            materialize.initial_value if lazy else lambda v: v.numpy(), source))
+            materialize.initial_value if lazy else lambda v: v.numpy(), source),
+            shards=functools.partial(materialize.drawn_shards, source) if lazy else None)
     materialize.release_free_memory()  # what the last weights freed (assign_global trims in steps)
     if targets:
         raise ValueError(f"model_factory built different models on two calls: weights "

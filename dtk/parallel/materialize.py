@@ -13,6 +13,13 @@ build's exactly. Each value is sliced on the host, and only this client's shards
 devices (``dtensor.pack``); the full value is dropped before the next weight is drawn. At most
 one full weight is on a host at a time.
 
+A large sharded weight drawn by tf_keras' ``RandomNormal`` or ``RandomUniform`` (an Embedding's
+default, and the recommender's tables) is not drawn whole: their stateless draw is counter-based
+(Philox; element ``i`` comes from counter ``i // 4``), so ``drawn_shards`` draws this client's
+rows block by block from the same key and an offset counter, equal bit for bit to the slices of
+the whole draw. A host then holds its shards and one block, not the table: a 2^23 x 16 table on
+4 clients x 2 devices drew 512 MiB on every client before.
+
 A factory that needs real values while it builds (``Normalization.adapt()`` on data, a subclassed
 model whose symbolic build fails with lazy variables) falls back to a plain build, with one info
 line naming why.
@@ -21,6 +28,7 @@ line naming why.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -62,37 +70,139 @@ def initial_value(variable: tf.Variable) -> np.ndarray:
     return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
 
 
-def local_shards(value: np.ndarray, layout: dtensor.Layout) -> list[np.ndarray]:
-    """The slices of a global value that this client's devices hold under ``layout``, in the
-    order ``dtensor.pack`` takes them (the mesh's local devices)."""
+def _local_indices(shape: Sequence[int], layout: dtensor.Layout) -> list[tuple[tuple[int, int], ...]]:
+    """The ``(start, stop)`` of each dim of each of this client's shards in a global value of
+    ``shape``, in the order ``dtensor.pack`` takes them (the mesh's local devices)."""
     mesh = layout.mesh
-    shards = []
+    indices = []
     for location in mesh.local_device_locations():
         index = []
         for dim, axis in enumerate(layout.sharding_specs):
             if axis == dtensor.UNSHARDED:
-                index.append(slice(None))
+                index.append((0, int(shape[dim])))
                 continue
-            size = value.shape[dim] // mesh.dim_size(axis)
+            size = int(shape[dim]) // mesh.dim_size(axis)
             start = location[axis] * size
-            index.append(slice(start, start + size))
-        shards.append(value[tuple(index)])
-    return shards
+            index.append((start, start + size))
+        indices.append(tuple(index))
+    return indices
 
 
-def assign_global(variable: tf.Variable, value: Callable[[], np.ndarray]) -> None:
+def local_shards(value: np.ndarray, layout: dtensor.Layout) -> list[np.ndarray]:
+    """The slices of a global value that this client's devices hold under ``layout``, in the
+    order ``dtensor.pack`` takes them (the mesh's local devices)."""
+    return [value[_slices(index)] for index in _local_indices(value.shape, layout)]
+
+
+def _slices(index: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in index)
+
+
+# Rows drawn at a time by ``drawn_shards``; a weight no larger than this is drawn whole.
+_BLOCK_BYTES = 16 << 20
+_UINT64 = (1 << 64) - 1
+
+
+def _block_drawable(variable: tf.Variable):
+    """``(initializer, shape, dtype)`` when a lazy variable's initial value is a stateless
+    tf_keras ``RandomNormal``/``RandomUniform`` draw of a float weight, else None."""
+    variable = getattr(variable, "_variable", variable)
+    value = getattr(variable, "_initial_value", None)
+    if not isinstance(value, functools.partial) or len(value.args) != 1 or \
+            set(value.keywords) - {"dtype"}:
+        return None
+    init = value.func
+    if type(init) not in (tf_keras.initializers.RandomNormal,  # pylint: disable=unidiomatic-typecheck
+                          tf_keras.initializers.RandomUniform):
+        return None
+    generator = getattr(init, "_random_generator", None)
+    dtype = tf.as_dtype(value.keywords.get("dtype") or tf_keras.backend.floatx())
+    if generator is None or generator._rng_type != generator.RNG_STATELESS or \
+            not dtype.is_floating:  # pylint: disable=protected-access
+        return None
+    return init, tuple(int(d) for d in value.args[0]), dtype
+
+
+def drawn_shards(variable: tf.Variable, layout: dtensor.Layout) -> list[np.ndarray] | None:
+    """This client's shards of a lazy variable's initial value, drawn a block of rows at a time
+    and equal bit for bit to slicing the whole draw; None where that cannot be had (another
+    initializer, a weight of at most ``_BLOCK_BYTES``, rows that start inside a Philox group of
+    4), and the caller draws the whole value.
+
+    Must be called where the plain build would draw this weight (``creation_order``): it takes
+    the initializer's seed from the same Python random stream.
+    """
+    from tensorflow.python.ops import gen_stateless_random_ops_v2  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import random_ops_util  # pylint: disable=g-import-not-at-top
+    found = _block_drawable(variable)
+    if found is None:
+        return None
+    init, shape, dtype = found
+    per_row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    if not shape or shape[0] * per_row * dtype.size <= _BLOCK_BYTES:
+        return None
+    if all(axis == dtensor.UNSHARDED for axis in layout.sharding_specs):
+        return None  # every device holds the whole value: drawn once, whole
+    devices = _local_indices(shape, layout)
+    indices = sorted(set(devices))
+    block = max(4, _BLOCK_BYTES // (per_row * dtype.size) // 4 * 4)  # rows; a multiple of 4
+    if any(index[0][0] * per_row % 4 for index in indices):
+        return None
+    seed = init._random_generator.make_seed_for_stateless_op()  # pylint: disable=protected-access
+    key, counter, alg = random_ops_util.get_key_counter_alg(seed, None)
+    low, high = (int(c) for c in counter.numpy())
+    normal = isinstance(init, tf_keras.initializers.RandomNormal)
+    # As tf.random.stateless_normal / stateless_uniform compute it, on a part of the counter.
+    a, b = ((init.mean, init.stddev) if normal else (init.minval, init.maxval))
+    a, b = tf.convert_to_tensor(a, dtype=dtype), tf.convert_to_tensor(b, dtype=dtype)
+    pieces = [[] for _ in indices]
+    for start, stop in sorted({index[0] for index in indices}):
+        for first in range(start, stop, block):
+            last = min(first + block, stop)
+            skipped = low + first * per_row // 4
+            at = tf.constant(np.array([skipped & _UINT64, (high + (skipped >> 64)) & _UINT64],
+                                      np.uint64))
+            rows = [last - first, *shape[1:]]
+            if normal:
+                drawn = gen_stateless_random_ops_v2.stateless_random_normal_v2(
+                    rows, key=key, counter=at, dtype=dtype, alg=alg) * b + a
+            else:
+                drawn = gen_stateless_random_ops_v2.stateless_random_uniform_v2(
+                    rows, key=key, counter=at, dtype=dtype, alg=alg) * (b - a) + a
+            drawn = drawn.numpy()
+            for piece, index in zip(pieces, indices):
+                if index[0] == (start, stop):
+                    piece.append(drawn[(slice(None),) + _slices(index[1:])])
+            del drawn
+    shards = {index: np.concatenate(piece) if len(piece) > 1 else piece[0]
+              for index, piece in zip(indices, pieces)}
+    return [shards[index] for index in devices]  # devices holding the same block share it
+
+
+def assign_global(variable: tf.Variable, value: Callable[[], np.ndarray], *,
+                  shards: Callable[[dtensor.Layout], list[np.ndarray] | None] | None = None
+                  ) -> None:
     """Assigns a global value (made by ``value()``) to a (possibly sharded, possibly autocast)
     DTensor variable, sending each of this client's devices only its own shard.
 
-    The full value is dropped as soon as this client's shards are cut from it, before they go
-    to the devices: a weight's peak on the host is the weight plus this client's shards.
+    ``shards(layout)``, where given and not None, gives this client's shards without the full
+    value (``drawn_shards``). Otherwise the full value is dropped as soon as this client's shards
+    are cut from it, before they go to the devices: a weight's peak on the host is the weight
+    plus this client's shards.
     """
     target = getattr(variable, "_variable", variable)
     layout = dtensor.fetch_layout(target)
-    full = np.asarray(value(), dtype=target.dtype.base_dtype.as_numpy_dtype)
-    freed = full.nbytes
-    shards = [tf.constant(s) for s in local_shards(full, layout)]
-    del full
+    numpy_dtype = target.dtype.base_dtype.as_numpy_dtype
+    drawn = shards(layout) if shards is not None else None
+    if drawn is not None:
+        freed = sum(s.nbytes for s in drawn)
+        shards = [tf.constant(np.asarray(s, dtype=numpy_dtype)) for s in drawn]
+        del drawn
+    else:
+        full = np.asarray(value(), dtype=numpy_dtype)
+        freed = full.nbytes
+        shards = [tf.constant(s) for s in local_shards(full, layout)]
+        del full
     target.assign(dtensor.pack(shards, layout))
     del shards
     release_free_memory(freed)

@@ -55,6 +55,16 @@ class Table:
     rows: int
     dim: int
 
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"Table path must be a weight's path, e.g. 'table0.embeddings'; "
+                             f"got {self.path!r}")
+        for name in ("rows", "dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Table {self.path}: {name} must be a positive integer; got "
+                                 f"{value!r}")
+
     @property
     def nbytes(self) -> int:
         return self.rows * self.dim * ITEMSIZE
@@ -88,6 +98,12 @@ def tables_of(weights: Sequence[tuple[str, Sequence[int], str]]) -> list[Table]:
             if p.endswith(".embeddings") and len(s) == 2]
 
 
+def _check_counts(**counts) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
 def _ring(nbytes: float, n: int) -> float:
     """Bytes a device sends in a ring all-reduce of ``nbytes`` over ``n`` devices."""
     return 2 * nbytes * (n - 1) / n if n > 1 else 0.0
@@ -105,6 +121,14 @@ def options(table: Table, sizes: dict[str, int], *, global_batch_size: int, look
       optimizer_slots: the optimizer's state per weight (Adam 2, Adagrad 1, SGD 0).
       sparse: sharded tables updated sparsely (``StepConfig(sparse_tables=True)``).
     """
+    _check_counts(global_batch_size=global_batch_size, lookups=lookups)
+    if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or \
+            optimizer_slots < 0:
+        raise ValueError(f"optimizer_slots must be an integer >= 0 (Adam 2, Adagrad 1, SGD 0); "
+                         f"got {optimizer_slots!r}")
+    if "batch" not in sizes or set(sizes) - {"batch", "model"}:
+        raise ValueError(f"sizes {sizes!r}: the table planner places tables on meshes of a "
+                         "'batch' axis and maybe a 'model' axis, e.g. {'batch': 4, 'model': 2}")
     nb, nm = sizes.get("batch", 1), sizes.get("model", 1)
     state = 1 + optimizer_slots
     ids = global_batch_size * lookups
@@ -243,6 +267,14 @@ def plan_mesh(tables: Sequence[Table], devices: int, *, global_batch_size: int,
     Raises:
       ValueError: no candidate mesh can hold the tables.
     """
+    _check_counts(devices=devices, global_batch_size=global_batch_size)
+    if not tables:
+        raise ValueError("tables is empty: give the model's embedding tables, e.g. "
+                         "tables_of(profile.weights) (weights named '<layer>.embeddings')")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0 < budget < float("inf")):
+        raise ValueError(f"budget must be None or a positive, finite number of bytes per device; "
+                         f"got {budget!r}")
     candidates = []
     for model in (m for m in range(1, devices + 1) if devices % m == 0):
         sizes = {"batch": devices // model, **({"model": model} if model > 1 else {})}
