@@ -102,6 +102,55 @@ TUNE_CASES = [
     (["--storage_path", "/proc/x"], "--storage_path '/proc/x' is not writable"),
 ]
 
+RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in one process
+    (["--table_sizes", "100,x"], "--table_sizes must be integers"),
+    (["--table_sizes", "100,1"], "--table_sizes needs one or more tables of at least 2 rows"),
+    (["--table_sizes", ""], "--table_sizes needs one or more tables of at least 2 rows; got (none)"),
+    (["--table_sizes", "100,-5"], "got 100,-5"),
+    (["--table_sizes", "101,4096,256,16"], "table0.embeddings"),
+    (["--dim", "0"], "--dim must be a positive integer; got 0"),
+    (["--heldout_examples", "0"], "--heldout_examples must be a positive integer; got 0"),
+    (["--epochs", "0"], "--epochs must be a positive integer; got 0"),
+    (["--global_batch_size", "0"], "--global_batch_size must be a positive integer; got 0"),
+    (["--train_examples", "0"], "--train_examples must be a positive integer; got 0"),
+    (["--data_seed", "-1"], "--data_seed: seed must be an integer in [0, 2^63); got -1"),
+    (["--learning_rate", "0"], "--learning_rate must be a positive, finite number; got 0.0"),
+    (["--device_memory_gb", "-1"], "--device_memory_gb must be a positive, finite number"),
+    (["--summary_json", "/proc/nope/s.json"], "is not writable"),
+    (["--export_dir", "{file}"], "is a file; give a directory"),
+    (["--checkpoint_dir", "{file}/x"], "is a file, where a directory should be"),
+    (["--mesh", "model=8"], "--mesh model=8: it has no 'batch' axis"),
+    (["--mesh", "batch=3"], "dim 0 (65536) is not divisible by mesh axis 'batch' (size 3)"),
+    (["--mesh", "batch=8", "--table_sizes", "1001,64"],
+     "weight table0.embeddings [1001, 16]: dim 0 (1001) is not divisible by mesh axis 'batch'"),
+    (["--mesh", "batch=2,seq=4"], "Use a table whose rules name 'seq' (shipped: transformer_lm)"),
+    (["--mesh", "batch=4,model=2", "--layout", "recsys_batch_rows"],
+     "Use a table whose rules name 'model' (shipped: mlp_model_parallel, recsys,"),
+    (["--mesh", "batch=1", "--virtual_devices", "8", "--table_sizes", "4194304,4096,256,16",
+      "--device_memory_gb", "0.1875"],
+     "does not fit the device memory budget on mesh batch=1: weights 256.3 MiB + optimizer state "
+     "512.6 MiB = 768.9 MiB per device > budget 192.0 MiB"),
+    # Issue 43's planner (--mesh auto, --explain_plan): flags it would not show are refused.
+    (["--mesh", "auto", "--layout", "recsys"],
+     "--mesh auto and --explain_plan place the tables themselves; drop --layout"),
+    (["--explain_plan", "--fsdp"], "place the tables themselves; drop --fsdp"),
+    (["--explain_plan", "--grad_accum", "2"], "drop --grad_accum"),
+    (["--explain_plan", "--mesh", "batch=8"],
+     "--explain_plan compares the planner's candidate meshes over every device, so it would "
+     "ignore --mesh batch=8"),
+    (["--explain_plan", "--explain_layouts"], "give one of them"),
+    (["--mesh", "auto", "--device", "tpu"], "--device tpu: this machine has no TPU"),
+    (["--mesh", "auto", "--table_sizes", "4194304,4096,256,16", "--device_memory_gb", "0.01"],
+     "--mesh auto: no mesh of 8 devices holds the tables"),
+    (["--mesh", "auto", "--global_batch_size", "1000"], ACCEPTED),
+    (["--explain_plan"], ACCEPTED),
+    # The mesh picks the default table: rows over `model` where the mesh has one.
+    (["--mesh", "batch=4,model=2"], ACCEPTED),
+    (["--mesh", "batch=4,model=2", "--sparse_tables", "--optimizer", "adagrad"], ACCEPTED),
+    (["--mesh", "batch=8", "--sparse_tables"], ACCEPTED),
+    (["--mesh", "batch=8", "--fsdp"], ACCEPTED),
+]
+
 _RUNNER = textwrap.dedent("""
     import json, runpy, sys, traceback
     import dtk
@@ -138,7 +187,8 @@ def _run_cases(script, cases, tmp_path):
 
 
 @pytest.mark.parametrize("script, cases", [
-    pytest.param("train_lm", LM_CASES, marks=pytest.mark.slow), ("tune_mnist", TUNE_CASES)])
+    pytest.param("train_lm", LM_CASES, marks=pytest.mark.slow), ("tune_mnist", TUNE_CASES),
+    pytest.param("train_recsys", RECSYS_CASES, marks=pytest.mark.slow)])
 def test_script_inputs(script, cases, tmp_path):
     results = _run_cases(script, cases, tmp_path)
     problems = []

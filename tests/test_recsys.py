@@ -5,8 +5,10 @@ device, and scripts/train_recsys.py end to end."""
 import dataclasses
 import functools
 import json
+import re
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -232,12 +234,12 @@ def test_large_tables_are_drawn_by_block_with_the_plain_builds_values(monkeypatc
     from dtk.parallel import materialize  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(materialize, "_BLOCK_BYTES", 96)  # every table drawn by blocks of rows
     drawn = []
-    real = materialize.drawn_shards
-    monkeypatch.setattr(materialize, "drawn_shards",
-                        lambda v, layout: drawn.append(real(v, layout)) or drawn[-1])
+    real = materialize.write_drawn
+    monkeypatch.setattr(materialize, "write_drawn",
+                        lambda source, target: drawn.append(real(source, target)) or drawn[-1])
     mesh = dtk.build_mesh(spec)
     model, _ = layouts.build_model(factory, mesh, table, seed=7)
-    assert sum(d is not None for d in drawn) == 2  # the two sharded tables
+    assert sum(drawn) == 2  # the two sharded tables
     tf_keras.utils.set_random_seed(7)
     plain = {w.name: w.numpy() for w in factory().weights}
     for weight in model.weights:
@@ -346,6 +348,19 @@ def test_a_sparse_update_that_cannot_be_had_is_one_value_error(optimizer, config
                   config=dtk.StepConfig(**config))
 
 
+def test_sparse_tables_asked_for_on_replicated_tables_say_they_are_dense(caplog):
+    mesh = dtk.build_mesh("batch=8")
+    model, _ = layouts.build_model(FACTORY, mesh, "data_parallel", seed=7)
+    with caplog.at_level("WARNING", logger="dtk"):
+        steps = dtk.Steps(model, loss="binary_crossentropy", mesh=mesh,
+                          optimizer=tf_keras.optimizers.Adam(0.1, mesh=mesh),
+                          config=dtk.StepConfig(sparse_tables=True))
+    assert steps.sparse is None
+    assert ("sparse_tables=True: no Embedding table of this model is sharded on this mesh "
+            "(table0, table1, table2, table3 replicated), so its tables are updated dense, by the "
+            "optimizer as it is (Adam, not lazy Adam)") in caplog.text
+
+
 def test_the_dense_update_says_why_and_what_it_costs(caplog):
     mesh = dtk.build_mesh("batch=4,model=2")
     model, _ = layouts.build_model(FACTORY, mesh, "recsys", seed=7)
@@ -417,6 +432,55 @@ def test_tables_four_times_a_device_budget_train_row_sharded_over_8_devices(tmp_
                            "--heldout_examples", "4096")
     assert s["steps"] == 8 and s["train_loss"][0] < 0.7
     assert "256.3 MiB in all, 32.1 MiB per device" in res.stdout
+
+
+MEMORY_CLIENT = textwrap.dedent("""
+    import functools, sys
+    import dtk
+    dtk.configure_virtual_cpus(8)
+    import numpy as np, tf_keras
+    from dtk import models
+    from dtk.data import clicks, input as input_lib
+    from dtk.parallel import layouts
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+    sizes = (int(sys.argv[1]), 4096, 256, 16)
+    mesh = dtk.build_mesh("batch=8")
+    f, y, _ = clicks.ClickLog(clicks.ClickLogConfig(table_sizes=sizes)).chunk("train", 0, 512)
+    batch = (f, y.astype(np.float32), np.ones(512, np.float32))
+    start = rss()
+    model, plan = layouts.build_model(functools.partial(models.dlrm, table_sizes=sizes), mesh,
+                                      "recsys_batch_rows", seed=0)
+    steps = dtk.Steps(model, loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                      optimizer=tf_keras.optimizers.Adam(1e-3, mesh=mesh), mesh=mesh,
+                      config=dtk.StepConfig(sparse_tables=True, shard_optimizer_state=False))
+    for _ in range(3):
+        steps.train(input_lib.pack(mesh, batch))
+    planned = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=False)
+    print("GROWTH", rss() - start, "PLANNED", 8 * (planned["weights"] + planned["optimizer"]))
+""")
+
+
+@pytest.mark.slow
+def test_a_large_table_and_its_sparse_state_take_their_planned_memory():
+    """Issue 43: a 2^21 x 16 table (128 MiB; 384 MiB with lazy Adam's state) on 8 devices of one
+    process, built and trained 3 sparse steps: the process grows by the planned bytes within
+    1.3x, over the same model with a 2^12-row table. Measured 1.0x. Before, 1.4x-2x: the table
+    was drawn whole, its placeholder and the slots' initial values cost a second copy each, and
+    the first in-place update copied a slot whose buffer its initial value still shared."""
+    growth = {}
+    for rows in (1 << 12, 1 << 21):
+        res = procs.run_python(MEMORY_CLIENT, args=(str(rows),), timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        grown, planned = map(int, re.search(r"GROWTH (-?\d+) PLANNED (\d+)", res.stdout).groups())
+        growth[rows] = (grown, planned)
+    extra = growth[1 << 21][0] - growth[1 << 12][0]
+    planned = growth[1 << 21][1] - growth[1 << 12][1]
+    assert planned > 380 * 2**20, growth
+    assert extra <= 1.3 * planned, f"{extra / 2**20:.0f} MiB for {planned / 2**20:.0f} planned"
 
 
 @pytest.mark.slow
@@ -573,21 +637,11 @@ def test_train_recsys_explains_and_follows_its_table_plan(tmp_path):
     assert "--mesh auto: " + summary["mesh"] in run.stdout
 
 
+# The checks before training are a table in tests/test_entry_points.py (RECSYS_CASES, one
+# process); these rows fail later, in the run, and check the whole path: one error line, exit 2.
 @pytest.mark.parametrize("flags, message", [
     (("--table_sizes", "100,x"), "--table_sizes must be integers"),
-    (("--table_sizes", "100,1"), "--table_sizes needs one or more tables of at least 2 rows"),
-    (("--train_examples", "0"), "--train_examples must be a positive integer; got 0"),
     (("--train_examples", "100"), "--train_examples 100 is less than one global batch"),
-    (("--mesh", "auto", "--layout", "recsys"),
-     "--mesh auto and --explain_plan place the tables themselves; drop --layout"),
-    (("--mesh", "auto", "--table_sizes", "4194304,4096,256,16", "--device_memory_gb", "0.01"),
-     "--mesh auto: no mesh of 8 devices holds the tables"),
-    (("--mesh", "model=8"), "--mesh model=8: it has no 'batch' axis"),
-    (("--table_sizes", "101,4096,256,16"), "table0.embeddings"),
-    (("--mesh", "batch=1", "--virtual_devices", "8", "--table_sizes", "4194304,4096,256,16",
-      "--device_memory_gb", "0.1875"),
-     "does not fit the device memory budget on mesh batch=1: weights 256.3 MiB + optimizer state "
-     "512.6 MiB = 768.9 MiB per device > budget 192.0 MiB"),
     (("--sparse_tables", "--optimizer", "sgd", "--learning_rate", "0.1", "--mesh", "batch=8",
       "--grad_accum", "2"), "sparse_tables=True: gradient accumulation"),
 ])

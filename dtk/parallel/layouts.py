@@ -730,7 +730,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                              "build; the factory must build the same model every time")
         materialize.assign_global(variable, functools.partial(
             materialize.initial_value if lazy else lambda v: v.numpy(), source),
-            shards=functools.partial(materialize.drawn_shards, source) if lazy else None)
+            source=source if lazy else None)
     materialize.release_free_memory()  # what the last weights freed (assign_global trims in steps)
     if targets:
         raise ValueError(f"model_factory built different models on two calls: weights "

@@ -46,6 +46,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk.parallel import materialize
 from dtk.parallel import ops
 
 _log = logging.getLogger("dtk")
@@ -114,10 +115,11 @@ class SparseTables:
             for name in names:
                 init = (getattr(optimizer, "initial_accumulator_value", 0.1)
                         if name == "accumulator" else 0.0)
-                value = dtensor.call_with_layout(tf.fill, layout, dims=variable.shape,
-                                                 value=tf.cast(init, variable.dtype))
-                own[name] = dtensor.DVariable(value, trainable=False,
-                                              name=f"{layer.name}_sparse_{name}")
+                # Made on each device: a slot made under the layout kept its initial value's
+                # buffer shared, and the first in-place update copied the whole block.
+                own[name] = dtensor.DVariable(
+                    materialize.local_fill(layout, variable.shape, variable.dtype, init),
+                    trainable=False, name=f"{layer.name}_sparse_{name}")
                 slots[f"{layer.name}/{name}"] = own[name]
             layer._dtk_sparse = True  # pylint: disable=protected-access  (ops records its lookups)
             self.tables.append(_Table(layer=layer, variable=variable, layout=layout, slots=own))
@@ -339,8 +341,18 @@ def choose(model: tf_keras.Model, optimizer, mode: bool, *, batch_axis: str,
     Raises:
       ValueError: ``mode=True`` with an optimizer, option or step that has no sparse update.
     """
-    if not mode or not sharded_tables_of(model):
+    if not mode:
         return None, "the default; StepConfig(sparse_tables=True) updates the touched rows only"
+    if not sharded_tables_of(model):
+        tables = [layer.name for layer in model._flatten_layers()  # pylint: disable=protected-access
+                  if isinstance(layer, tf_keras.layers.Embedding)]
+        if tables:  # asked for, and not had: said, since lazy Adam's numbers differ from Adam's
+            _log.warning("sparse_tables=True: no Embedding table of this model is sharded on "
+                         "this mesh (%s replicated), so its tables are updated dense, by the "
+                         "optimizer as it is (Adam, not lazy Adam); shard the tables' rows or "
+                         "columns in the layout table for sparse row updates",
+                         ", ".join(tables[:4]))
+        return None, "no Embedding table is sharded on this mesh"
     kind, reason = optimizer_kind(optimizer)
     blockers = [why for why, on in (
         ("gradient accumulation (gradient_accumulation_steps > 1)", accumulation > 1),
