@@ -151,6 +151,23 @@ def test_layers_called_through_their_own_kernels_are_counted():
     assert [(l.name, l.out_elements) for l in profile.layers] == [("lstm", 32), ("out", 10)]
 
 
+def test_blockwise_attentions_working_set_is_counted_linear_in_t():
+    """Issue 44: blockwise attention's blocks in flight are a layer of the profile (heads x T x
+    block per block, ``_BLOCKS_LIVE`` of them): linear in T, where MultiHeadAttention's scores
+    grow with T^2."""
+    def blocks(attention, seq_len):
+        profile = planner.profile_model(functools.partial(
+            models.transformer_lm, vocab=256, seq_len=seq_len, dim=32, heads=4, layers=1,
+            attention=attention, block_size=16))
+        return {l.name: l.out_elements for l in profile.layers}
+
+    small, large = blocks("blockwise", 256), blocks("blockwise", 512)
+    name = next(n for n in small if n.endswith("/blocks"))
+    assert small[name] == planner._BLOCKS_LIVE * 4 * 256 * 16  # pylint: disable=protected-access
+    assert large[name] == 2 * small[name]
+    assert not any(n.endswith("/blocks") for n in blocks("mha", 256))
+
+
 def test_model_axis_collectives_are_counted_from_the_table():
     p = _plan()
     by = {c.label: c for c in p.candidates}

@@ -199,6 +199,28 @@ class PlanError(ValueError):
 
 # -- profiling a model ------------------------------------------------------------------------------
 
+# Block-sized tensors blockwise attention holds at its peak (its blocks chained), calibrated on
+# the LM at T = 4,096 (4 heads, blocks of 128 keys; scripts/bench_memory.py, 4 clients x 2
+# devices: 300-380 MiB a device over T = 128). Attention alone on one device holds 18 (150 and
+# 292 MiB at T = 4,096 and 8,192); two devices of a process running side by side hold more.
+_BLOCKS_LIVE = 32
+
+
+def _blockwise_attention():
+    from dtk.parallel import attention  # pylint: disable=g-import-not-at-top
+    return attention.BlockwiseAttention
+
+
+def _blocks_working_set(layer, name: str, query, value, weights) -> LayerProfile:
+    """Blockwise attention's scores in flight, as a layer of their own: ``_BLOCKS_LIVE`` blocks
+    of ``heads x Tq x block`` (chained), or three times the whole scores where those are fewer.
+    Its weights (the query projection's) tell the planner how heads are split."""
+    heads, tq, tk = layer._num_heads, int(query.shape[1]), int(value.shape[1])  # pylint: disable=protected-access
+    live = min(_BLOCKS_LIVE * heads * tq * min(layer.block_size, tk), 3 * heads * tq * tk)
+    return LayerProfile(name=name + "/blocks", in_elements=0, out_elements=live,
+                        itemsize=query.dtype.size, weights=weights)
+
+
 def _identity_layers():
     from dtk.parallel import sequence  # pylint: disable=g-import-not-at-top
     return (sequence.SequenceSharding, sequence.SequenceGather)
@@ -252,6 +274,11 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
                 if isinstance(__layer, tf_keras.layers.MultiHeadAttention):
                     value = args[1] if len(args) > 1 else kwargs.get("value")
                     attention[id(__layer)] = (__name, elements(value), value.dtype.size)
+                    if isinstance(__layer, _blockwise_attention()):
+                        records[("blocks", id(__layer))] = _blocks_working_set(
+                            __layer, __name, args[0], value,
+                            tuple(by_id[id(w)] for w in __layer._query_dense.weights  # pylint: disable=protected-access
+                                  if id(w) in by_id))
                 if isinstance(__layer, _identity_layers()):
                     # marks where the sequence is sharded; keeps nothing of its own
                     if args and len(args[0].shape) > 1 and not sequence_length[0]:
@@ -356,7 +383,8 @@ def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str
     for layer in profile.layers:
         nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes,
                                                                       sequence)
-        largest = max(largest, nbytes)
+        if not layer.name.endswith("/blocks"):  # blockwise attention's working set has no
+            largest = max(largest, nbytes)       # gradient of its own
         block = _block(layer, remat) if remat else None
         if block is None:
             kept += nbytes
