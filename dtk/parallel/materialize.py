@@ -277,7 +277,7 @@ def placeholder_values(paths: Sequence[str]) -> Iterator[None]:
     Their initial values are assigned afterwards (``assign_global``), so running their
     initializers would be wasted, and it is not cheap: tf_keras runs each one replicated (a full
     copy on every local device) and then relayouts it, 230 MiB of peak for a 98 MiB LM on
-    ``model=8``. Zeros made under the layout allocate only each device's shard. Other variables the build creates
+    ``model=8``. Zeros made on each device (``local_fill``) allocate only its shard. Other variables the build creates
     (a random generator's state) keep their initializers.
     """
     from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
@@ -289,7 +289,7 @@ def placeholder_values(paths: Sequence[str]) -> Iterator[None]:
         if layout is None:
             return original(layout_map, object_path, variable)
         # tf_keras would run the initializer replicated (a full copy on every device), then
-        # relayout; zeros made under the layout exist only as each device's shard.
+        # relayout; zeros made on each device exist only as its shard (local_fill).
         value = local_fill(layout, variable.shape, variable.dtype)
         name = variable.name[:-2] if variable.name.endswith(":0") else variable.name
         return dtensor.DVariable(value, trainable=variable.trainable, name=name)
