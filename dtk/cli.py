@@ -241,9 +241,6 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
                              f"{'them' if len(given) > 1 else 'it'}; drop "
                              f"{'them' if len(given) > 1 else 'it'}, or see this configuration's "
                              "weights with --explain_layouts")
-        if values("explain_layouts"):
-            raise UsageError("--explain_plan and --explain_layouts each print one report and "
-                             "exit; give one of them")
     check_device(values)
     kind = mesh_lib.resolve_device_type(values("device") or "auto")
     if values("plot"):
@@ -269,14 +266,21 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
     return plan
 
 
-def check_explain_plan_mesh(flags) -> None:
-    """``--explain_plan`` compares every candidate mesh over this run's devices: a ``--mesh``
-    given with it would be ignored, so it is refused (``flags``: the script's absl FlagValues).
+def check_explain_plan(flags) -> None:
+    """``--explain_plan`` compares every candidate mesh over this run's devices and exits: a
+    ``--mesh`` given with it would be ignored, and ``--explain_layouts`` never printed, so both
+    are refused (``flags``: the script's absl FlagValues).
 
     Raises:
-      UsageError: ``--explain_plan`` with ``--mesh SPEC`` (other than ``auto``).
+      UsageError: ``--explain_plan`` with ``--mesh SPEC`` (other than ``auto``) or with
+        ``--explain_layouts``.
     """
-    if flags.explain_plan and flags["mesh"].present and flags.mesh != AUTO_MESH:
+    if not flags.explain_plan:
+        return
+    if flags.explain_layouts:
+        raise UsageError("--explain_plan and --explain_layouts each print one report and exit; "
+                         "give one of them")
+    if flags["mesh"].present and flags.mesh != AUTO_MESH:
         raise UsageError(f"--explain_plan compares the planner's candidate meshes over every "
                          f"device, so it would ignore --mesh {flags.mesh}; drop --mesh (or see "
                          "that mesh's weights with --explain_layouts)")

@@ -129,7 +129,7 @@ def _setup():
             table = layouts.load_table(FLAGS.layout)
         except ValueError as e:
             raise UsageError(f"--layout: {e}") from None
-        cli.check_explain_plan_mesh(FLAGS)
+        cli.check_explain_plan(FLAGS)
         auto_plan = cli.plan_from_flags(
             lambda name: getattr(FLAGS, name, None), factory, input_shape=(FLAGS.seq_len,),
             input_dtype="int32", num_classes=text.VOCAB, table=table,

@@ -93,7 +93,7 @@ def _plan(dtk, table):
     """``--mesh auto`` / ``--explain_plan``: the planner's choice, applied to the flags."""
     from dtk import models  # pylint: disable=g-import-not-at-top
     model_spec = models.MODEL_SPECS[FLAGS.model]
-    cli.check_explain_plan_mesh(FLAGS)
+    cli.check_explain_plan(FLAGS)
     plan = cli.plan_from_flags(
         lambda name: getattr(FLAGS, name, None), model_spec.factory,
         input_shape=model_spec.input_shape, input_dtype="float32",

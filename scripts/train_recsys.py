@@ -124,10 +124,7 @@ def _plan_tables(sizes):
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     from dtk.planning import tables  # pylint: disable=g-import-not-at-top
-    cli.check_explain_plan_mesh(FLAGS)
-    if FLAGS.explain_plan and FLAGS.explain_layouts:
-        raise UsageError("--explain_plan and --explain_layouts each print one report and exit; "
-                         "give one of them")
+    cli.check_explain_plan(FLAGS)
     cli.check_device(lambda name: getattr(FLAGS, name, None))
     given = [f"--{n}" for n in ("layout", "fsdp", "remat") if FLAGS[n].present] + \
         (["--grad_accum"] if FLAGS.grad_accum != 1 else [])

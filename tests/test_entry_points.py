@@ -56,6 +56,8 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--explain_plan", "--fsdp", "--grad_accum", "4"],
      "--explain_plan compares the planner's candidates, which choose --fsdp, --grad_accum"),
     (["--explain_plan", "--explain_layouts"], "give one of them"),
+    (["--explain_plan", "--mesh", "batch=8"], "so it would ignore --mesh batch=8; drop --mesh"),
+    (["--mesh", "auto", "--device", "tpu"], "--device tpu: this machine has no TPU"),
     (["--mesh", "auto", "--noshard_optimizer_state"],
      "--mesh auto chooses --noshard_optimizer_state itself"),
     # Issue 42: the plan's picture, checked before planning.

@@ -58,7 +58,7 @@ def _chain(previous, *, heads_first: bool):
     A block's score product, causal mask and ``dO V^T`` do not depend on the blocks before it,
     and TensorFlow's executor runs every op that is ready: unrolled, all blocks' were computed at
     once and held until their turn (the ``T x T`` tensor in pieces: 2.9 GiB at T = 8,192 on one
-    device, against 1.1 GiB for 8 blocks at a time). Multiplied into a block's inputs, these
+    device, 292 MiB chained; BUILD.md, "Long sequences"). Multiplied into a block's inputs, these
     factors chain it after the last. ``sign(|x| + 1)`` is 1.0 for every finite ``x`` and no
     optimizer folds it. Control dependencies did not chain the blocks.
     """
