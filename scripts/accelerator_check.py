@@ -48,7 +48,12 @@ def _accelerators() -> tuple[str, int]:
              "else 'cpu', g or t)")
     res = _run([sys.executable, "-c", probe], timeout=120)
     if res.returncode != 0:
-        raise SystemExit(f"error: could not probe the devices: {res.stderr.strip()[-500:]}")
+        lines = res.stderr.strip().splitlines() or ["no output"]
+        if "No module named 'tensorflow'" in lines[-1]:
+            raise SystemExit(f"error: {sys.executable} has no TensorFlow; install dtk with it "
+                             "first: pip install -e . \"tensorflow[and-cuda]>=2.21,<2.22\" "
+                             "(BUILD.md, Install)")
+        raise SystemExit(f"error: could not probe the devices: {lines[-1][-300:]}")
     kind, count = res.stdout.split()[-2:]
     return kind, int(count)
 

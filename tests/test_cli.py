@@ -246,6 +246,21 @@ def test_accelerator_check_says_cpu_only_in_one_line_and_exits_0():
     assert res.stdout.strip().count("\n") == 0 and "no GPU or TPU" in res.stdout, res.stdout
 
 
+def test_accelerator_check_without_tensorflow_says_so_in_one_line(tmp_path):
+    """A machine whose Python has no TensorFlow (the GPU machine lent on 2026-11-26): one error
+    line naming the install, exit 1, no traceback."""
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'tensorflow'\")\n")
+    res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "accelerator_check.py")],
+                         capture_output=True, text=True, timeout=60, cwd=procs.REPO,
+                         env=procs.base_env(PYTHONPATH=str(tmp_path)))
+    assert res.returncode == 1, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no TensorFlow; install dtk with it first" in lines[0], lines
+    assert "Traceback" not in res.stderr
+
+
 def test_accelerator_check_meshes():
     import importlib.util  # pylint: disable=g-import-not-at-top
     spec = importlib.util.spec_from_file_location(
