@@ -217,10 +217,14 @@ def test_bad_sequence_sharding_is_one_value_error(tmp_path, case, message):
 
 
 @pytest.mark.parametrize("spec", ["batch=2,seq=4", pytest.param("batch=2,seq=2,model=2",
-                                                                 marks=pytest.mark.slow)])
+                                                                 marks=pytest.mark.slow),
+                                  pytest.param("batch=1,seq=8", marks=pytest.mark.slow)])
 def test_blockwise_attention_trains_like_one_device_on_sequence_meshes(monkeypatch, spec):
     """The LM with blockwise attention (4 keys a block; residual dropout 0.1) on sequence meshes,
-    its blocks chained as long sequences run them: the losses of batch=1 (1e-5) for 20 steps."""
+    its blocks chained as long sequences run them: the losses of batch=1 (1e-5) for 20 steps.
+    On ``batch=1,seq=8`` (one head a device after the all-to-all) a 4-D ``tf.transpose`` failed
+    DTensor's SPMD expansion ("needs communication": a size-1 batch axis against unsharded), as
+    the README's long-context command did; einsum permutes instead."""
     from dtk.parallel import attention  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(attention, "_CHAIN_BYTES", 0)
     factory = functools.partial(FACTORY, attention="blockwise", block_size=4)

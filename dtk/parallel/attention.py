@@ -36,11 +36,12 @@ _LAG = 1  # blocks in flight: block j starts once block j - _LAG is done (2 meas
 _CHAIN_BYTES = 64 << 20
 
 
-def _block_scores(q, q_pos, k_blk, k_start, causal):
-    """Scores ``[B, H, Tq, bk]`` of one key block (q already scaled), masked if causal.
+def _block_scores(q, q_pos, k_blk, k_start, causal, *, heads_first: bool = False):
+    """Scores ``[B, H, Tq, bk]`` of one key block (q already scaled, ``[B, Tq, H, D]``, or
+    ``[B, H, Tq, D]`` with ``heads_first``), masked if causal.
 
     ``q_pos``: the queries' global positions times ``_AHEAD``, ``[Tq]`` or ``[B, H, Tq]``."""
-    s = tf.einsum("bqhd,bkhd->bhqk", q, k_blk)
+    s = tf.einsum("bhqd,bkhd->bhqk" if heads_first else "bqhd,bkhd->bhqk", q, k_blk)
     if causal:
         # 0 where the key is at or before the query, hugely negative after it. Arithmetic, not a
         # broadcast comparison: DTensor crashed on the comparison from T = 1,024 on.
@@ -51,21 +52,20 @@ def _block_scores(q, q_pos, k_blk, k_start, causal):
     return s
 
 
-def _chain(previous, *, heads_first: bool):
-    """Factors of exactly 1.0, ``[B, Tq, H, 1]`` and ``[B, H, Tq]``, that exist only once
-    ``previous`` (the last block's result: ``l`` ``[B, H, Tq]``, or ``dq`` ``[B, Tq, H, D]``) does.
+def _chain(previous):
+    """A factor of exactly 1.0, ``[B, H, Tq]``, that exists only once ``previous`` (``[B, H, Tq]``,
+    from the last block) does.
 
     A block's score product, causal mask and ``dO V^T`` do not depend on the blocks before it,
     and TensorFlow's executor runs every op that is ready: unrolled, all blocks' were computed at
     once and held until their turn (the ``T x T`` tensor in pieces: 2.9 GiB at T = 8,192 on one
-    device, 292 MiB chained; BUILD.md, "Long sequences"). Multiplied into a block's inputs, these
-    factors chain it after the last. ``sign(|x| + 1)`` is 1.0 for every finite ``x`` and no
-    optimizer folds it. Control dependencies did not chain the blocks.
+    device, 292 MiB chained; BUILD.md, "Long sequences"). Multiplied into a block's inputs, the
+    factor chains it after the last. ``sign(|x| + 1)`` is 1.0 for every finite ``x`` and no
+    optimizer folds it. Control dependencies did not chain the blocks. It is used in the
+    inputs' own ``[B, H, Tq, ...]`` layout: a transposed factor made DTensor's SPMD expansion
+    fail on ``batch=1,seq=8`` (a transpose that "needs communication").
     """
-    one = tf.sign(tf.abs(previous) + 1.0)
-    if heads_first:
-        return tf.transpose(one, [0, 2, 1])[..., None], one
-    return one[..., :1], tf.transpose(one[..., 0], [0, 2, 1])
+    return tf.sign(tf.abs(previous) + 1.0)
 
 
 def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
@@ -86,6 +86,7 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
     @tf.custom_gradient
     def attend(q, k, v):
         qs = q * tf.cast(scale, q.dtype)
+        qs_h = tf.einsum("bqhd->bhqd", qs) if lag < blocks else None  # [B, H, Tq, D]
         q_pos = tf.cast(tf.range(q.shape[1]), q.dtype) * tf.cast(_AHEAD, q.dtype)
         m = l = acc = None
         ls = []
@@ -93,11 +94,11 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
             k_blk = k[:, j * block_size:(j + 1) * block_size]
             v_blk = v[:, j * block_size:(j + 1) * block_size]
             if j < lag:
-                qs_j, pos_j = qs, q_pos
+                s = _block_scores(qs, q_pos, k_blk, j * block_size, causal)
             else:
-                one_bqh, one_bhq = _chain(ls[j - lag], heads_first=True)
-                qs_j, pos_j = qs * one_bqh, q_pos * one_bhq
-            s = _block_scores(qs_j, pos_j, k_blk, j * block_size, causal)
+                one = _chain(ls[j - lag])
+                s = _block_scores(qs_h * one[..., None], q_pos * one, k_blk, j * block_size,
+                                  causal, heads_first=True)
             m_blk = tf.reduce_max(s, axis=-1)  # [B, H, Tq]
             if m is None:
                 m_new = m_blk
@@ -112,31 +113,33 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
                 acc = acc * correction[..., None] + tf.einsum("bhqk,bkhd->bhqd", p, v_blk)
             m = m_new
             ls.append(l)
-        out = tf.transpose(acc / l[..., None], [0, 2, 1, 3])  # [B, Tq, H, D]
+        out = tf.einsum("bhqd->bqhd", acc / l[..., None])  # [B, Tq, H, D]
         lse = m + tf.math.log(l)  # [B, H, Tq]
 
         def grad(d_out):
-            d_out_h = tf.transpose(d_out, [0, 2, 1, 3])  # [B, H, Tq, D]
-            out_h = tf.transpose(out, [0, 2, 1, 3])
+            d_out_h = tf.einsum("bqhd->bhqd", d_out)  # [B, H, Tq, D]
+            out_h = tf.einsum("bqhd->bhqd", out)
             delta = tf.reduce_sum(d_out_h * out_h, axis=-1)  # [B, H, Tq]
             dq = tf.zeros_like(q)
-            dks, dvs, dqs = [], [], []
+            dks, dvs, rows = [], [], []  # rows: each block's ds summed over its keys
             for j in range(blocks):
                 k_blk = k[:, j * block_size:(j + 1) * block_size]
                 v_blk = v[:, j * block_size:(j + 1) * block_size]
                 if j < lag:
-                    qs_j, pos_j, d_out_j = qs, q_pos, d_out_h
+                    s = _block_scores(qs, q_pos, k_blk, j * block_size, causal)
+                    d_out_j = d_out_h
                 else:
-                    one_bqh, one_bhq = _chain(dqs[j - lag], heads_first=False)
-                    qs_j, pos_j = qs * one_bqh, q_pos * one_bhq
-                    d_out_j = d_out_h * one_bhq[..., None]
-                s = _block_scores(qs_j, pos_j, k_blk, j * block_size, causal)
+                    one = _chain(rows[j - lag])
+                    s = _block_scores(qs_h * one[..., None], q_pos * one, k_blk, j * block_size,
+                                      causal, heads_first=True)
+                    d_out_j = d_out_h * one[..., None]
                 p = tf.exp(s - lse[..., None])  # the block's probabilities [B, H, Tq, bk]
                 dvs.append(tf.einsum("bhqk,bhqd->bkhd", p, d_out_j))
                 dp = tf.einsum("bhqd,bkhd->bhqk", d_out_j, v_blk)
                 ds = p * (dp - delta[..., None])
                 dq += tf.einsum("bhqk,bkhd->bqhd", ds, k_blk) * scale
-                dqs.append(dq)
+                if lag < blocks:
+                    rows.append(tf.reduce_sum(ds, axis=-1))  # [B, H, Tq]
                 dks.append(tf.einsum("bhqk,bqhd->bkhd", ds, qs))
             return dq, tf.concat(dks, axis=1), tf.concat(dvs, axis=1)
 
