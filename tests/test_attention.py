@@ -17,19 +17,23 @@ def _pair(heads=4, key_dim=8, block=4, **kwargs):
     return dense, blockwise
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_future", "all_blocks"])
 @pytest.mark.parametrize("chained", [False, True], ids=["parallel", "chained"])
 @pytest.mark.parametrize("causal, tq, tk, block", [
     (True, 16, 16, 4), (False, 16, 16, 4), (True, 16, 16, 16), (False, 8, 16, 8), (True, 12, 12, 3)])
 def test_values_and_gradients_equal_multi_head_attention(monkeypatch, causal, tq, tk, block,
-                                                         chained):
+                                                         chained, skip):
     """Both schedules: blocks free to run at once (small scores), and each block chained after
-    the last (``_CHAIN_BYTES`` exceeded: the memory linear in T)."""
+    the last (``_CHAIN_BYTES`` exceeded: the memory linear in T); causal, with the queries
+    before each key block skipped (the default) and with every block scored against every
+    query (queries sharded along the sequence)."""
     monkeypatch.setattr(attention, "_CHAIN_BYTES", 0 if chained else 1 << 40)
     tf_keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     q = tf.constant(rng.normal(size=(2, tq, 16)), tf.float32)
     kv = tf.constant(rng.normal(size=(2, tk, 16)), tf.float32)
     dense, blockwise = _pair(block=block)
+    object.__setattr__(blockwise, "_dtk_queries_sharded", not skip)
     dense(q, kv, use_causal_mask=causal)
     blockwise(q, kv, use_causal_mask=causal)
     blockwise.set_weights(dense.get_weights())

@@ -68,10 +68,16 @@ def _chain(previous):
     return tf.sign(tf.abs(previous) + 1.0)
 
 
-def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
+def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: bool = True):
     """``softmax(q k^T / sqrt(d)) v`` one key block at a time; q ``[B, Tq, H, D]``, k and v
     ``[B, Tk, H, D]``; returns ``[B, Tq, H, D]``. The gradient recomputes each block's
-    probabilities (FlashAttention), so memory is ``O(Tq * block_size)`` per row and head."""
+    probabilities (FlashAttention), so memory is ``O(Tq * block_size)`` per row and head.
+
+    With ``causal`` and ``skip_future`` (queries and keys of one length), key block ``j`` is
+    scored only against the queries at or after its first key: the queries before it would mask
+    all of it. That halves the work of both passes at long lengths (FlashAttention's causal
+    skipping). The queries' dim 1 is sliced for it: pass ``skip_future=False`` where that dim is
+    sharded (context parallelism with gathered keys), where a slice would gather it."""
     tk = k.shape[1]
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
@@ -82,6 +88,22 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
     blocks = tk // block_size
     rows, tq, heads = (int(d or 1) for d in q.shape[:3])
     lag = _LAG if rows * heads * tq * tk * q.dtype.size > _CHAIN_BYTES else blocks
+    skip = causal and skip_future and q.shape[1] == tk
+
+    def start(j):  # the first query that sees key block j
+        return j * block_size if skip else 0
+
+    def suffix(x, j, axis):  # x from query start(j) on, along its query dim
+        s0 = start(j)
+        if not s0:
+            return x
+        return x[(slice(None),) * axis + (slice(s0, None),)]
+
+    def merged(full, part, j, axis):  # full with its queries from start(j) on replaced by part
+        s0 = start(j)
+        if not s0:
+            return part
+        return tf.concat([full[(slice(None),) * axis + (slice(0, s0),)], part], axis=axis)
 
     @tf.custom_gradient
     def attend(q, k, v):
@@ -93,24 +115,28 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
         for j in range(blocks):
             k_blk = k[:, j * block_size:(j + 1) * block_size]
             v_blk = v[:, j * block_size:(j + 1) * block_size]
+            pos = suffix(q_pos, j, 0)
             if j < lag:
-                s = _block_scores(qs, q_pos, k_blk, j * block_size, causal)
+                s = _block_scores(suffix(qs, j, 1), pos, k_blk, j * block_size, causal)
             else:
-                one = _chain(ls[j - lag])
-                s = _block_scores(qs_h * one[..., None], q_pos * one, k_blk, j * block_size,
-                                  causal, heads_first=True)
-            m_blk = tf.reduce_max(s, axis=-1)  # [B, H, Tq]
+                one = suffix(_chain(ls[j - lag]), j, 2)
+                s = _block_scores(suffix(qs_h, j, 2) * one[..., None], pos * one, k_blk,
+                                  j * block_size, causal, heads_first=True)
+            m_blk = tf.reduce_max(s, axis=-1)  # [B, H, Tq - start(j)]
             if m is None:
                 m_new = m_blk
                 p = tf.exp(s - m_new[..., None])
                 l = tf.reduce_sum(p, axis=-1)
                 acc = tf.einsum("bhqk,bkhd->bhqd", p, v_blk)
             else:
-                m_new = tf.maximum(m, m_blk)
-                correction = tf.exp(m - m_new)
+                m_old = suffix(m, j, 2)
+                m_new = tf.maximum(m_old, m_blk)
+                correction = tf.exp(m_old - m_new)
                 p = tf.exp(s - m_new[..., None])
-                l = l * correction + tf.reduce_sum(p, axis=-1)
-                acc = acc * correction[..., None] + tf.einsum("bhqk,bkhd->bhqd", p, v_blk)
+                l = merged(l, suffix(l, j, 2) * correction + tf.reduce_sum(p, axis=-1), j, 2)
+                acc = merged(acc, suffix(acc, j, 2) * correction[..., None]
+                             + tf.einsum("bhqk,bkhd->bhqd", p, v_blk), j, 2)
+                m_new = merged(m, m_new, j, 2)
             m = m_new
             ls.append(l)
         out = tf.einsum("bhqd->bqhd", acc / l[..., None])  # [B, Tq, H, D]
@@ -121,26 +147,33 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool):
             out_h = tf.einsum("bqhd->bhqd", out)
             delta = tf.reduce_sum(d_out_h * out_h, axis=-1)  # [B, H, Tq]
             dq = tf.zeros_like(q)
-            dks, dvs, rows = [], [], []  # rows: each block's ds summed over its keys
+            dks, dvs, rows = [], [], []  # rows: each block's ds summed over its keys (from start(j))
             for j in range(blocks):
                 k_blk = k[:, j * block_size:(j + 1) * block_size]
                 v_blk = v[:, j * block_size:(j + 1) * block_size]
+                pos = suffix(q_pos, j, 0)
+                qs_j = suffix(qs, j, 1)
                 if j < lag:
-                    s = _block_scores(qs, q_pos, k_blk, j * block_size, causal)
-                    d_out_j = d_out_h
+                    s = _block_scores(qs_j, pos, k_blk, j * block_size, causal)
+                    d_out_j = suffix(d_out_h, j, 2)
                 else:
-                    one = _chain(rows[j - lag])
-                    s = _block_scores(qs_h * one[..., None], q_pos * one, k_blk, j * block_size,
-                                      causal, heads_first=True)
-                    d_out_j = d_out_h * one[..., None]
-                p = tf.exp(s - lse[..., None])  # the block's probabilities [B, H, Tq, bk]
+                    # rows[j - lag] starts at query start(j - lag): from start(j) on is this block's
+                    one = rows[j - lag][..., start(j) - start(j - lag):]
+                    one = _chain(one)
+                    s = _block_scores(suffix(qs_h, j, 2) * one[..., None], pos * one, k_blk,
+                                      j * block_size, causal, heads_first=True)
+                    d_out_j = suffix(d_out_h, j, 2) * one[..., None]
+                p = tf.exp(s - suffix(lse, j, 2)[..., None])  # the block's probabilities
                 dvs.append(tf.einsum("bhqk,bhqd->bkhd", p, d_out_j))
                 dp = tf.einsum("bhqd,bkhd->bhqk", d_out_j, v_blk)
-                ds = p * (dp - delta[..., None])
-                dq += tf.einsum("bhqk,bkhd->bqhd", ds, k_blk) * scale
+                ds = p * (dp - suffix(delta, j, 2)[..., None])
+                dq_j = tf.einsum("bhqk,bkhd->bqhd", ds, k_blk) * scale
+                if start(j):
+                    dq_j = tf.pad(dq_j, [[0, 0], [start(j), 0], [0, 0], [0, 0]])
+                dq += dq_j
                 if lag < blocks:
-                    rows.append(tf.reduce_sum(ds, axis=-1))  # [B, H, Tq]
-                dks.append(tf.einsum("bhqk,bqhd->bkhd", ds, qs))
+                    rows.append(tf.reduce_sum(ds, axis=-1))  # [B, H, Tq - start(j)]
+                dks.append(tf.einsum("bhqk,bqhd->bkhd", ds, qs_j))
             return dq, tf.concat(dks, axis=1), tf.concat(dvs, axis=1)
 
         return out, grad
@@ -186,8 +219,11 @@ class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
     def _compute_attention(self, query, key, value, attention_mask=None, training=None):
         if attention_mask is not None or query.shape.rank != 4:
             return super()._compute_attention(query, key, value, attention_mask, training)
+        # Future key blocks are skipped by slicing the queries, unless they are sharded along
+        # the sequence (dtk.parallel.sequence sets this for context parallelism by all-gather).
         out = blockwise_attention(query, key, value, block_size=self.block_size,
-                                  causal=self._dtk_causal)
+                                  causal=self._dtk_causal,
+                                  skip_future=not getattr(self, "_dtk_queries_sharded", False))
         return out, None
 
     def get_config(self):

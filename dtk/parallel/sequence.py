@@ -204,10 +204,12 @@ def _time_attention(layer, mesh: dtensor.Mesh, batch_axis: str, axis: str,
             return tf.add_n([tf.cast(tf.reduce_sum(g), tf.float32) for g in grads])
 
         object.__setattr__(layer, "_dtk_all_to_all", all_to_all if mode == "all_to_all" else None)
+        object.__setattr__(layer, "_dtk_queries_sharded", mode == "all_gather")
         try:
             step(x).numpy()  # traced with this mode
         finally:
             object.__setattr__(layer, "_dtk_all_to_all", None)
+            object.__setattr__(layer, "_dtk_queries_sharded", False)
         return step
 
     steps = {mode: traced(mode) for mode in ("all_gather", "all_to_all")}
@@ -251,6 +253,9 @@ def _configure_attention(model, mesh: dtensor.Mesh, *, batch_axis: str, axis: st
         _install_all_to_all(layer)
         object.__setattr__(layer, "_dtk_all_to_all",
                            where if mode == "all_to_all" else None)
+        # All-gather keeps each device's queries sharded along the sequence (blockwise
+        # attention must not slice them); all-to-all gives each device whole sequences.
+        object.__setattr__(layer, "_dtk_queries_sharded", mode == "all_gather")
     return mode, why
 
 
