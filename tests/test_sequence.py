@@ -216,12 +216,15 @@ def test_bad_sequence_sharding_is_one_value_error(tmp_path, case, message):
             layouts.build_model(models.mnist_mlp, mesh, "data_parallel", seed=0)
 
 
-@pytest.mark.parametrize("spec", ["batch=2,seq=4", pytest.param("batch=2,seq=2,model=2",
-                                                                 marks=pytest.mark.slow),
-                                  pytest.param("batch=1,seq=8", marks=pytest.mark.slow)])
-def test_blockwise_attention_trains_like_one_device_on_sequence_meshes(monkeypatch, spec):
+@pytest.mark.parametrize("spec, mode", [
+    ("batch=2,seq=4", "all_gather"), ("batch=2,seq=4", "all_to_all"),
+    pytest.param("batch=2,seq=2,model=2", None, marks=pytest.mark.slow),
+    pytest.param("batch=1,seq=8", None, marks=pytest.mark.slow)])
+def test_blockwise_attention_trains_like_one_device_on_sequence_meshes(monkeypatch, spec, mode):
     """The LM with blockwise attention (4 keys a block; residual dropout 0.1) on sequence meshes,
     its blocks chained as long sequences run them: the losses of batch=1 (1e-5) for 20 steps.
+    With the keys gathered (the queries stay sharded along the sequence: every block meets every
+    query) and with Ulysses' all-to-all (whole sequences a device: future blocks skipped).
     On ``batch=1,seq=8`` (one head a device after the all-to-all) a 4-D ``tf.transpose`` failed
     DTensor's SPMD expansion ("needs communication": a size-1 batch axis against unsharded), as
     the README's long-context command did; einsum permutes instead."""
@@ -231,7 +234,11 @@ def test_blockwise_attention_trains_like_one_device_on_sequence_meshes(monkeypat
     runs = {}
     for mesh_spec in ("batch=1", spec):
         mesh = dtk.build_mesh(mesh_spec)
-        model, _ = layouts.build_model(factory, mesh, "transformer_lm", seed=7)
+        model, _ = layouts.build_model(factory, mesh, _table_with(
+            mode if mesh_spec != "batch=1" else None), seed=7)
+        if mode and mesh_spec != "batch=1":
+            sharded = getattr(model.get_layer("block0_attn"), "_dtk_queries_sharded", False)
+            assert sharded == (mode == "all_gather")
         steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
                           optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
                           config=dtk.StepConfig(shard_optimizer_state=False))
