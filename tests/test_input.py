@@ -348,3 +348,28 @@ def test_variable_length_features_must_be_padded_by_the_pipeline():
     data = input_lib.DistributedDataset(padded, dtk.build_mesh("batch=8"),
                                         input_lib.InputConfig(global_batch_size=8))
     assert dtk.global_value(next(iter(data)).features).shape == (8, 8)
+
+
+def test_a_slow_source_is_named_while_the_step_waits(monkeypatch, caplog):
+    """A batch that takes longer than STALL_REPORT_S to come is reported (a slow input pipeline
+    is named, not mistaken for a hung step), and the batches still arrive in order."""
+    import logging  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(input_lib, "STALL_REPORT_S", 0.05)
+    mesh = dtk.build_mesh("batch=8")
+
+    def slow(x):
+        time.sleep(0.4)
+        return x
+
+    data = tf.data.Dataset.range(16).map(
+        lambda i: (tf.py_function(slow, [tf.cast(i, tf.float32)], tf.float32)[None],
+                   tf.cast(i, tf.int64)))
+    data = data.map(lambda x, y: (tf.ensure_shape(x, [1]), y))
+    stream = input_lib.DistributedDataset(data, mesh, input_lib.InputConfig(
+        global_batch_size=8, prefetch=1))
+    with caplog.at_level(logging.WARNING, logger="dtk"):
+        labels = [dtk.global_value(b.labels) for b in stream.epoch(0)]
+    np.testing.assert_array_equal(np.concatenate(labels), np.arange(16))
+    assert any("no batch for" in r.getMessage() and "prefetch thread" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -54,6 +55,10 @@ from tensorflow.experimental import dtensor
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, batch_layout, check_batch_axis
 
 REMAINDER_POLICIES = ("drop", "pad", "error")
+# A step that waits this long for its next batch says so (and again each time as long): a slow
+# input pipeline is named instead of looking like a hung step.
+STALL_REPORT_S = 60.0
+_log = logging.getLogger("dtk")
 
 
 class Batch(NamedTuple):
@@ -597,7 +602,7 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
     thread.start()
     try:
         while True:
-            item = buffer.get()
+            item = _next_item(buffer, thread)
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
@@ -607,3 +612,21 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
         stop.set()
         # The producer may be reading the shared stream: let it finish before anyone reads on.
         thread.join(timeout=120)
+        if thread.is_alive():
+            _log.warning("input: the prefetch thread is still reading its dataset 120 s after "
+                         "the epoch was closed; the next epoch starts beside it")
+
+
+def _next_item(buffer: queue.Queue, thread: threading.Thread):
+    """The producer's next item; says so every ``STALL_REPORT_S`` that it does not come."""
+    waited = 0.0
+    while True:
+        try:
+            return buffer.get(timeout=STALL_REPORT_S)
+        except queue.Empty:
+            waited += STALL_REPORT_S
+            if not thread.is_alive() and buffer.empty():  # it ended without a word: never
+                raise RuntimeError("input: the prefetch thread ended without its last item") \
+                    from None
+            _log.warning("input: no batch for %.0f s; the prefetch thread is still reading and "
+                         "packing its dataset (a slow source, or a machine short of CPU)", waited)
