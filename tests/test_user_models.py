@@ -404,10 +404,9 @@ def test_application_step_equals_one_device(name):
     assert np.linalg.norm(moved - wanted) <= 4 * spread, (np.linalg.norm(moved - wanted), spread)
 
 
-def _float64_update(factory, initial, x, y):
-    """One device's SGD step in float64 from the same float32 initial weights: the update by
-    weight key (the exact step, against which float32's own error is measured)."""
-    tf_keras.backend.set_floatx("float64")
+def _plain_in(factory, floatx: str) -> tf_keras.Model:
+    """The plain tf_keras model built in ``floatx``, BatchNormalization unfused (as dtk runs it)."""
+    tf_keras.backend.set_floatx(floatx)
     try:
         model = factory()
     finally:
@@ -415,6 +414,13 @@ def _float64_update(factory, initial, x, y):
     for layer in model.layers:
         if isinstance(layer, L.BatchNormalization):
             layer.fused = False
+    return model
+
+
+def _float64_update(factory, initial, x, y):
+    """One device's SGD step in float64 from the same float32 initial weights: the update by
+    weight key (the exact step, against which float32's own error is measured)."""
+    model = _plain_in(factory, "float64")
     weights = ckpt_lib._weights_by_identity(model)  # pylint: disable=protected-access
     for key, weight in weights.items():
         weight.assign(initial[key].astype(np.float64))
@@ -449,14 +455,7 @@ def _one_device_step(factory, start: dict[str, np.ndarray], x, y):
     that summation order alone gives this step (BatchNormalization unfused, as dtk runs it)."""
     updates = {}
     for floatx in ("float32", "float64"):
-        tf_keras.backend.set_floatx(floatx)
-        try:
-            model = factory()
-        finally:
-            tf_keras.backend.set_floatx("float32")
-        for layer in model.layers:
-            if isinstance(layer, L.BatchNormalization):
-                layer.fused = False
+        model = _plain_in(factory, floatx)
         weights = _by_name(model.weights)
         assert set(weights) <= set(start), sorted(set(weights) - set(start))[:5]
         for name, w in weights.items():
