@@ -486,6 +486,13 @@ class DistributedDataset:
         start = epoch * self.num_batches + skip_batches
         stream = self._shared
         if stream.iterator is None or stream.position != start:
+            if start:
+                # O(start): tf.data cannot jump to a reshuffle or to a random op's state, so the
+                # stream is read up to the position (stress runs: BUILD.md, "Stress runs").
+                _log.info("input: the stream starts at batch %d (epoch %d, batch %d): the %d "
+                          "batches before it are read again (not packed) so that the order and "
+                          "the pipeline's random draws are an uninterrupted run's; this takes "
+                          "about as long as reading them", start, epoch, skip_batches, start)
             dataset = self._stream_dataset().skip(start).prefetch(tf.data.AUTOTUNE)
             stream.position, stream.iterator = start, iter(dataset.as_numpy_iterator())
         for _ in range(self.num_batches - skip_batches):
@@ -629,4 +636,5 @@ def _next_item(buffer: queue.Queue, thread: threading.Thread):
                 raise RuntimeError("input: the prefetch thread ended without its last item") \
                     from None
             _log.warning("input: no batch for %.0f s; the prefetch thread is still reading and "
-                         "packing its dataset (a slow source, or a machine short of CPU)", waited)
+                         "packing its dataset (a slow source, a resume reading the batches before "
+                         "its position again, or a machine short of CPU)", waited)
