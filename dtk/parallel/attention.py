@@ -119,9 +119,11 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: 
             if j < lag:
                 s = _block_scores(suffix(qs, j, 1), pos, k_blk, j * block_size, causal)
             else:
-                one = suffix(_chain(ls[j - lag]), j, 2)
-                s = _block_scores(suffix(qs_h, j, 2) * one[..., None], pos * one, k_blk,
-                                  j * block_size, causal, heads_first=True)
+                # Sliced after the chained product: a slice of an input alone would run (and be
+                # held) for every block at once.
+                one = _chain(ls[j - lag])  # [B, H, Tq]
+                s = _block_scores(suffix(qs_h * one[..., None], j, 2), pos * suffix(one, j, 2),
+                                  k_blk, j * block_size, causal, heads_first=True)
             m_blk = tf.reduce_max(s, axis=-1)  # [B, H, Tq - start(j)]
             if m is None:
                 m_new = m_blk
@@ -152,17 +154,19 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: 
                 k_blk = k[:, j * block_size:(j + 1) * block_size]
                 v_blk = v[:, j * block_size:(j + 1) * block_size]
                 pos = suffix(q_pos, j, 0)
-                qs_j = suffix(qs, j, 1)
                 if j < lag:
-                    s = _block_scores(qs_j, pos, k_blk, j * block_size, causal)
+                    q_j = suffix(qs, j, 1)  # [B, Tq - start(j), H, D]
+                    s = _block_scores(q_j, pos, k_blk, j * block_size, causal)
                     d_out_j = suffix(d_out_h, j, 2)
                 else:
-                    # rows[j - lag] starts at query start(j - lag): from start(j) on is this block's
-                    one = rows[j - lag][..., start(j) - start(j - lag):]
-                    one = _chain(one)
-                    s = _block_scores(suffix(qs_h, j, 2) * one[..., None], pos * one, k_blk,
-                                      j * block_size, causal, heads_first=True)
-                    d_out_j = suffix(d_out_h, j, 2) * one[..., None]
+                    # rows[j - lag] starts at query start(j - lag); padded with ones to every
+                    # query, then the block's suffix sliced from the chained products (as above)
+                    one = tf.pad(_chain(rows[j - lag]), [[0, 0], [0, 0], [start(j - lag), 0]],
+                                 constant_values=1.0)
+                    q_j = suffix(qs_h * one[..., None], j, 2)  # [B, H, Tq - start(j), D]
+                    s = _block_scores(q_j, pos * suffix(one, j, 2), k_blk, j * block_size,
+                                      causal, heads_first=True)
+                    d_out_j = suffix(d_out_h * one[..., None], j, 2)
                 p = tf.exp(s - suffix(lse, j, 2)[..., None])  # the block's probabilities
                 dvs.append(tf.einsum("bhqk,bhqd->bkhd", p, d_out_j))
                 dp = tf.einsum("bhqd,bkhd->bhqk", d_out_j, v_blk)
@@ -173,7 +177,8 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: 
                 dq += dq_j
                 if lag < blocks:
                     rows.append(tf.reduce_sum(ds, axis=-1))  # [B, H, Tq - start(j)]
-                dks.append(tf.einsum("bhqk,bqhd->bkhd", ds, qs_j))
+                dks.append(tf.einsum("bhqk,bhqd->bkhd" if j >= lag else "bhqk,bqhd->bkhd", ds,
+                                     q_j))
             return dq, tf.concat(dks, axis=1), tf.concat(dvs, axis=1)
 
         return out, grad
