@@ -90,7 +90,8 @@ def stress_prefetch(runs: int, load: int, seed: int) -> dict:
             b.kill()
     return {"what": "prefetch", "runs": runs, "load_processes": load, "batches": batches,
             "max_wait_s": round(max(waits), 3), "max_close_s": round(max(closes), 3),
-            "waits_over_1s": sum(w > 1 for w in waits), "waits_over_10s": sum(w > 10 for w in waits),
+            "waits_over_1s": sum(w > 1 for w in waits),
+            "waits_over_10s": sum(w > 10 for w in waits),
             "closes_over_1s": sum(c > 1 for c in closes)}
 
 

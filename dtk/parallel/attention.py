@@ -149,7 +149,7 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: 
             out_h = tf.einsum("bqhd->bhqd", out)
             delta = tf.reduce_sum(d_out_h * out_h, axis=-1)  # [B, H, Tq]
             dq = tf.zeros_like(q)
-            dks, dvs, rows = [], [], []  # rows: each block's ds summed over its keys (from start(j))
+            dks, dvs, rows = [], [], []  # rows: each block's ds summed over its keys
             for j in range(blocks):
                 k_blk = k[:, j * block_size:(j + 1) * block_size]
                 v_blk = v[:, j * block_size:(j + 1) * block_size]
