@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests import procs
 
 STRESS = str(procs.REPO / "tests" / "stress.py")
@@ -27,6 +29,7 @@ def test_prefetch_stress_times_every_wait_and_close():
     assert {"max_wait_s", "max_close_s", "waits_over_10s", "closes_over_1s"} <= set(summary)
 
 
+@pytest.mark.slow  # a 2-client run, killed and restarted: about 27 s
 def test_restore_stress_run_resumes_like_one_process():
     """One 2-client run with the sharded update, client 1 killed at step 19 (seed 3) and the group
     restarted: the losses of one uninterrupted process."""
