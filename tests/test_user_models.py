@@ -353,10 +353,10 @@ APPLICATIONS = {
 }
 
 
-# The real applications took 35-110 s each of the suite (DTensor compiles hundreds of layers):
-# they run with pytest -m zoo, before a release (BUILD.md, "Test budget"). Their pieces (inverted
+# The real applications take 45-265 s each (DTensor compiles hundreds of layers): slow and zoo
+# marks, so outside the fast lane; CI runs them (BUILD.md, "Test budget"). Their pieces (inverted
 # residual and dense blocks, average-pooling transitions, depthwise convolutions, BatchNorm) are
-# tested above on every run.
+# in the fast lane above.
 @pytest.mark.slow
 @pytest.mark.zoo
 @pytest.mark.parametrize("name", ["EfficientNetB0", "MobileNetV2"])  # DenseNet121: below
