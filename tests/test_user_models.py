@@ -442,7 +442,7 @@ def _efficientnet_b0_dropout():
 
 
 # name: (the model dtk trains, its twin without random layers for one device, or None when the
-# model has none: then each step is compared with one device too)
+# model has none: then step 2 on each mesh is compared with one device too)
 RESUMED_APPLICATIONS = {"DenseNet121": (APPLICATIONS["DenseNet121"], None),
                         "EfficientNetB0_dropout": (_efficientnet_b0_dropout,
                                                    _efficientnet_b0_no_dropout)}
