@@ -50,6 +50,18 @@ def test_values_and_gradients_equal_multi_head_attention(monkeypatch, causal, tq
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def gradient_step(layer):
+    """A compiled forward and backward pass of causal self-attention: the gradients of the sum of
+    ``layer(x, x)`` with respect to ``x`` and the layer's weights."""
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, x, use_causal_mask=True))
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+    return step
+
+
 def test_no_tensor_of_the_full_score_shape_is_formed():
     """The forward and backward graphs hold no [B, H, T, T] tensor (MultiHeadAttention's do)."""
     tf_keras.utils.set_random_seed(0)
@@ -57,15 +69,7 @@ def test_no_tensor_of_the_full_score_shape_is_formed():
 
     def shapes(layer):
         layer(x, x, use_causal_mask=True)
-
-        @tf.function
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                loss = tf.reduce_sum(layer(x, x, use_causal_mask=True))
-            return tape.gradient(loss, [x, *layer.trainable_variables])
-
-        graph = step.get_concrete_function(x).graph
+        graph = gradient_step(layer).get_concrete_function(x).graph
         found = set()
         for op in graph.get_operations():
             for out in op.outputs:
@@ -114,18 +118,12 @@ _MEMORY_PROBE = r"""
 import os, resource, sys
 import tensorflow as tf
 from dtk.parallel import attention
+from tests.test_attention import gradient_step
 T = int(sys.argv[1])
 x = tf.random.normal([1, T, 64], seed=0)
 layer = attention.BlockwiseAttention(4, 16, block_size=128)
 layer(x[:, :128], x[:, :128], use_causal_mask=True)
-
-@tf.function
-def step(x):
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        loss = tf.reduce_sum(layer(x, x, use_causal_mask=True))
-    return tape.gradient(loss, [x, *layer.trainable_variables])
-
+step = gradient_step(layer)
 step.get_concrete_function(x)
 before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 [g.numpy() for g in step(x)]

@@ -609,7 +609,7 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
     thread.start()
     try:
         while True:
-            item = _next_item(buffer, thread)
+            item = _next_item(buffer)
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
@@ -624,17 +624,15 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
                          "the epoch was closed; the next epoch starts beside it")
 
 
-def _next_item(buffer: queue.Queue, thread: threading.Thread):
-    """The producer's next item; says so every ``STALL_REPORT_S`` that it does not come."""
+def _next_item(buffer: queue.Queue):
+    """The producer's next item (it always puts one: a batch, the end or its error); says so
+    every ``STALL_REPORT_S`` that it does not come."""
     waited = 0.0
     while True:
         try:
             return buffer.get(timeout=STALL_REPORT_S)
         except queue.Empty:
             waited += STALL_REPORT_S
-            if not thread.is_alive() and buffer.empty():  # it ended without a word: never
-                raise RuntimeError("input: the prefetch thread ended without its last item") \
-                    from None
             _log.warning("input: no batch for %.0f s; the prefetch thread is still reading and "
                          "packing its dataset (a slow source, a resume reading the batches before "
                          "its position again, or a machine short of CPU)", waited)
