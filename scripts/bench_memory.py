@@ -97,7 +97,7 @@ for name, flags in variants.items():
     get = lambda n, d=None: flags[flags.index(n) + 1] if n in flags else d
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=args["seq_len"],
                                 dim=args["dim"], heads=args["heads"], layers=args["layers"],
-                                attention=get("--attention", "mha"), block_size=128)
+                                attention=get("--attention", "mha"), block_size=args["block_size"])
     profile = planner.profile_model(factory, (args["seq_len"],), input_dtype="int32")
     sizes = dict(kv.split("=") for kv in get("--mesh").split(","))
     sizes = {{k: int(v) for k, v in sizes.items()}}
@@ -132,7 +132,7 @@ def _script_flags(flags: list[str], args, dim: int, summary: str) -> list[str]:
     return [os.path.join(REPO, "scripts", "train_lm.py"),
             *flags, "--dim", str(dim), "--layers", str(args.layers),
             "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
-            "--heads", str(args.heads),
+            "--heads", str(args.heads), "--block_size", str(args.block_size),
             "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
             "--sample_bytes", "0", "--summary_json", summary]
 
@@ -198,6 +198,8 @@ def main() -> int:
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--global_batch_size", type=int, default=8)
+    parser.add_argument("--block_size", type=int, default=128,
+                        help="keys per block of blockwise attention (train_lm.py's --block_size)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num_clients", type=int, default=4)
     parser.add_argument("--devices_per_client", type=int, default=2)

@@ -293,6 +293,13 @@ def test_export_round_trip(tmp_path):
     served = tf.saved_model.load(paths["saved_model"])
     out = served.signatures["serving_default"](tf.constant(x))
     np.testing.assert_allclose(next(iter(out.values())).numpy(), want, rtol=1e-5, atol=1e-6)
+    # One format only: the other is not written.
+    only = trainer.export(str(tmp_path / "keras_only"), formats=["keras"])
+    assert set(only) == {"keras"} and os.listdir(tmp_path / "keras_only") == ["model.keras"]
+    for bad in ("keras", [], ["keras", "onnx"]):
+        with pytest.raises(ValueError, match=r"formats=.*give a non-empty list of \['keras', "
+                                             r"'saved_model'\]"):
+            trainer.export(str(tmp_path / "bad"), formats=bad)
 
 
 def test_callbacks_and_tensorboard(tmp_path):

@@ -704,7 +704,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     try:
         # Preprocessing state (Normalization's adapted mean and variance) comes from the plain
         # build with the other weights: adapt() and finalize_state() wait until it is copied.
-        with placeholders, layout_map.scope(), _preprocessing_deferred(), _nested_models():
+        with placeholders, layout_map.scope(), _preprocessing_deferred(), _nested_models(), \
+                materialize.shared_handle_compilation():
             model = model_factory()
             if not model.built:
                 _build_subclassed(model, layout_map, input_shape, input_dtype)

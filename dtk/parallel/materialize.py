@@ -214,6 +214,39 @@ def assign_global(variable: tf.Variable, value: Callable[[], np.ndarray], *,
     release_free_memory(freed)
 
 
+_handle_scopes = 0  # nesting depth of ``shared_handle_compilation``
+
+
+@contextlib.contextmanager
+def shared_handle_compilation() -> Iterator[None]:
+    """Variables created inside share DTensor's compilation of their handle op.
+
+    DTensor compiles each eager op once per op, attributes and input layouts, and caches it. A
+    variable's handle op carries the variable's name as ``debug_name``, so every variable cost a
+    compilation of its own: 8.9 ms a variable against 1.2 ms without the name (200 variables of
+    one shape on ``batch=8``), 21 s of DenseNet121's builds, masters and state on two meshes.
+    Inside, handles are made without ``debug_name``. The variable keeps its ``name`` (layouts,
+    checkpoints and export use it); only TensorFlow's own text for a missing resource loses it.
+    """
+    global _handle_scopes  # pylint: disable=global-statement
+    from tensorflow.python.ops import gen_resource_variable_ops as gen  # pylint: disable=g-import-not-at-top
+    if _handle_scopes == 0:
+        original = gen.var_handle_op
+
+        def var_handle_op(*args, **kwargs):
+            kwargs.pop("debug_name", None)
+            return original(*args, **kwargs)
+        var_handle_op.original = original
+        gen.var_handle_op = var_handle_op
+    _handle_scopes += 1
+    try:
+        yield
+    finally:
+        _handle_scopes -= 1
+        if _handle_scopes == 0:
+            gen.var_handle_op = gen.var_handle_op.original
+
+
 # malloc_trim walks the whole heap (13 ms a call after a DenseNet121 build): trimming after every
 # weight cost 8 s of its 25 s build. glibc keeps at most 32 MiB of freed blocks before it gives
 # memory back by itself, so trimming once that much has been freed bounds what stays resident

@@ -306,18 +306,8 @@ class Steps:
         elif shard == "auto":
             shard = auto_shard_optimizer_state(self._dense_variables, mesh, config.batch_axis)
         self.shard_optimizer_state = shard
-        if shard:
-            variables = self._dense_variables
-            self._model_layouts = [dtensor.fetch_layout(v) for v in variables]
-            self._master_layouts = [update_layout(v, mesh, config.batch_axis) for v in variables]
-            self._masters = [
-                dtensor.DVariable(dtensor.relayout(v.read_value(), layout), trainable=False,
-                                  name=v._shared_name)  # pylint: disable=protected-access
-                for v, layout in zip(variables, self._master_layouts)]
-        # Build optimizer slots eagerly so checkpoints can restore them before the first step.
-        # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
-        self.optimizer.build(self._masters or [getattr(v, "_variable", v)
-                                               for v in self._dense_variables])
+        with materialize.shared_handle_compilation():  # masters and slots: one compile a shape
+            self._create_state(shard)
         materialize.release_free_memory()  # what building the state freed (dtk.parallel.materialize)
         train_body = self._custom_train_body if "train_step" in self.custom else self._train_body
         self._train_one = self._compile(train_body, "train", stacked=False)
@@ -328,6 +318,22 @@ class Steps:
         self._predict = _function(self._predict_body, jit_compile=config.jit_compile)
         self._take = tf.function(autograph=False, func=lambda stack, i: tuple(
             tf.nest.map_structure(lambda t: tf.gather(t, i), part) for part in stack))
+
+    def _create_state(self, shard: bool) -> None:
+        """The sharded update's float32 masters (where ``shard``) and the optimizer's slots."""
+        if shard:
+            variables = self._dense_variables
+            self._model_layouts = [dtensor.fetch_layout(v) for v in variables]
+            self._master_layouts = [update_layout(v, self.mesh, self.config.batch_axis)
+                                    for v in variables]
+            self._masters = [
+                dtensor.DVariable(dtensor.relayout(v.read_value(), layout), trainable=False,
+                                  name=v._shared_name)  # pylint: disable=protected-access
+                for v, layout in zip(variables, self._master_layouts)]
+        # Build optimizer slots eagerly so checkpoints can restore them before the first step.
+        # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
+        self.optimizer.build(self._masters or [getattr(v, "_variable", v)
+                                               for v in self._dense_variables])
 
     # -- a model's own train_step / test_step ----------------------------------------------------
     def _prepare_custom_steps(self, loss, config: StepConfig) -> None:

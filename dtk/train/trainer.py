@@ -703,13 +703,15 @@ class Trainer:
             return np.zeros((0,))
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
 
-    def export(self, export_dir: str) -> dict[str, str]:
-        """Writes the trained weights as a plain ``.keras`` model and a SavedModel (see checkpoint)."""
+    def export(self, export_dir: str, *,
+               formats: Sequence[str] = ckpt_lib.EXPORT_FORMATS) -> dict[str, str]:
+        """Writes the trained weights as a plain ``.keras`` model and a SavedModel
+        (``dtk.train.checkpoint.export``; ``formats`` picks which)."""
         if self.model_factory is None:
             raise ValueError("export needs the model factory: pass model_factory= to Trainer when "
                              "giving a built model")
         return ckpt_lib.export(self.model, self.model_factory, export_dir,
-                               input_shape=self._input_shape)
+                               input_shape=self._input_shape, formats=formats)
 
     # -- output -----------------------------------------------------------------------------------
     def _summary_writer(self):
