@@ -219,3 +219,27 @@ def test_dropout_trains_under_dtensor():
     eval_out = dtk.global_value(model(packed[0], training=False))
     assert not np.allclose(train_out, eval_out)          # dropout is active in training
     assert "stateful generator" in layouts.explain(plan)
+
+
+def test_variables_made_sharing_handle_compilation_keep_their_names_and_values():
+    """Inside ``materialize.shared_handle_compilation`` (every laid-out build), handles are made
+    without ``debug_name`` (DTensor then compiles the handle op once a shape, not once a
+    variable); each variable stays its own, with its name, and the op is restored after, also
+    after an error."""
+    from tensorflow.python.ops import gen_resource_variable_ops as gen  # pylint: disable=import-outside-toplevel
+    from dtk.parallel import materialize  # pylint: disable=import-outside-toplevel
+    mesh = dtk.build_mesh("batch=8")
+    original = gen.var_handle_op
+    layout = dtensor.Layout.replicated(mesh, 2)
+    with materialize.shared_handle_compilation(), materialize.shared_handle_compilation():
+        assert gen.var_handle_op is not original
+        made = [dtensor.DVariable(dtensor.call_with_layout(tf.fill, layout, [3, 2], float(i)),
+                                  name=f"w{i}") for i in range(3)]
+    assert gen.var_handle_op is original
+    made[1].assign_add(dtensor.call_with_layout(tf.ones, layout, [3, 2]))
+    assert [v.name for v in made] == ["w0:0", "w1:0", "w2:0"]
+    assert [float(tf.reduce_sum(v.read_value())) for v in made] == [0.0, 12.0, 12.0]
+    with pytest.raises(RuntimeError):
+        with materialize.shared_handle_compilation():
+            raise RuntimeError("a failed build")
+    assert gen.var_handle_op is original

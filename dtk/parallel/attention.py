@@ -178,8 +178,8 @@ def blockwise_attention(q, k, v, *, block_size: int, causal: bool, skip_future: 
                 if lag < blocks:
                     # The next block starts once this one's three products exist, not only its
                     # scores: products nothing waits on ran late, holding the block's p, ds and
-                    # slices meanwhile (T = 4,096, 512 queries, blocks of 128 keys: 122 against
-                    # 93 MiB; blocks of 32: 288 against 177).
+                    # slices meanwhile (4,096 keys, 512 queries, blocks of 128 keys: 122 against
+                    # 101 MiB; blocks of 32: 288 against 173; BUILD.md, "Long sequences").
                     kv = tf.reduce_sum(dks[-1], axis=[1, 3]) + tf.reduce_sum(dvs[-1], axis=[1, 3])
                     tokens.append(tf.reduce_sum(dq_h, axis=-1) * _chain(kv)[..., None])
             dq = tf.einsum("bhqd->bqhd", dq_h) * tf.cast(scale, dq_h.dtype)
