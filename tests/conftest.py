@@ -100,13 +100,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item, cache):
             _join_group(item, "processes", config)
-    # The longest first: the release lane's, then the other slow tests, then the rest (a stable
-    # sort: file order within each). pytest-xdist hands the workers tests in this order once the
-    # process-starting group is placed, so a long test last kept one worker busy while the other
-    # had nothing left: the 193 s DenseNet121 test ran last in the suite, which ended 147 s
-    # past half the per-test sum (issue 39, CI time).
-    items.sort(key=lambda item: (item.get_closest_marker("zoo") is None,
-                                 item.get_closest_marker("slow") is None))
 
     if (FULL_MNIST / "t10k-images-idx3-ubyte.gz").exists():
         return

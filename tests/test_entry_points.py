@@ -444,3 +444,19 @@ def test_config_types_are_checked(mesh):
     with pytest.raises(TypeError, match="metrics must be a name, a metric, or a list"):
         _trainer(mesh, metrics={"out": "accuracy"})
 
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--block_sizes", "abc"], "--block_sizes 'abc': give positive integers that divide --keys"),
+    (["--block_sizes", "0"], "--block_sizes '0': give positive integers"),
+    (["--block_sizes", "100", "--keys", "4096"], "that divide --keys 4096"),
+    (["--skip", "--queries", "512"], "--skip needs --queries equal to --keys; got 512 and 4096"),
+])
+def test_attention_memory_bench_inputs(argv, phrase):
+    """scripts/bench_attention_memory.py: one error line, exit status 2, before any TensorFlow."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "bench_attention_memory.py"),
+                          *argv], capture_output=True, text=True, timeout=60, cwd=procs.REPO)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: ") and phrase in res.stderr, res.stderr
