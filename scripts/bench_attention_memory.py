@@ -76,6 +76,8 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=4096)
     parser.add_argument("--skip", action="store_true",
                         help="causal skipping (needs --queries equal to --keys)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON line a block size (bytes) instead of the table")
     args = parser.parse_args()
     try:
         blocks = [int(b) for b in args.block_sizes.split(",") if b]
@@ -91,10 +93,11 @@ def main() -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    print(f"blockwise attention, {args.rows} rows x {args.heads} heads of {args.dim}, "
-          f"{args.queries} queries against {args.keys} keys, causal"
-          f"{' (skipping)' if args.skip else ''}: MiB")
-    print("block  block tensor  first call  held after it  later calls")
+    if not args.json:
+        print(f"blockwise attention, {args.rows} rows x {args.heads} heads of {args.dim}, "
+              f"{args.queries} queries against {args.keys} keys, causal"
+              f"{' (skipping)' if args.skip else ''}: MiB")
+        print("block  block tensor  first call  held after it  later calls")
     for block in blocks:
         spec = [block, args.rows, args.heads, args.dim, args.queries, args.keys, args.skip]
         res = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(spec)], cwd=REPO,
@@ -103,8 +106,12 @@ def main() -> int:
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("DTK_PROBE ")), None)
         if res.returncode or line is None:
             print(f"{block:5d}  failed: {res.stderr.strip().splitlines()[-1:]}")
+            return 1
+        measured = json.loads(line.split(" ", 1)[1])
+        if args.json:
+            print(json.dumps({"block_size": block, **measured}))
             continue
-        got = {k: v / 2**20 for k, v in json.loads(line.split(" ", 1)[1]).items()}
+        got = {k: v / 2**20 for k, v in measured.items()}
         tensor = args.rows * args.heads * args.queries * block * 4 / 2**20
         print(f"{block:5d}  {tensor:12.2f}  {got['first_call']:10.1f}  {got['held_after']:13.1f}"
               f"  {got['later_calls']:11.1f}")

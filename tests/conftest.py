@@ -110,7 +110,8 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=(
         f"needs MNIST's IDX gz files (t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz and "
         f"the train-* pair) at {FULL_MNIST}, which a fresh clone does not ship; put them there to "
-        "run these accuracy checks. The rest of the suite runs on the bundled sample"))
+        "run these accuracy checks. The rest of the suite runs on the bundled sample; CI has the "
+        "files and fails without them (DTK_REQUIRE_FULL_MNIST=1)"))
     for item in marked:
         item.add_marker(skip)
 

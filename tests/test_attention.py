@@ -114,34 +114,26 @@ def test_the_layer_round_trips_through_its_config():
     assert again.block_size == 32 and again.get_config()["num_heads"] == 4
 
 
-_MEMORY_PROBE = r"""
-import os, resource, sys
-import tensorflow as tf
-from dtk.parallel import attention
-from tests.test_attention import gradient_step
-T = int(sys.argv[1])
-x = tf.random.normal([1, T, 64], seed=0)
-layer = attention.BlockwiseAttention(4, 16, block_size=128)
-layer(x[:, :128], x[:, :128], use_causal_mask=True)
-step = gradient_step(layer)
-step.get_concrete_function(x)
-before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-[g.numpy() for g in step(x)]
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
-"""
-
-
 @pytest.mark.slow
 def test_one_long_row_takes_the_working_set_the_planner_counts():
     """Forward and backward of one causal row of 8,192 positions (4 heads, blocks of 128) on one
     device grow the process by at most 1.4x the 18 block-sized tensors that attention alone holds
-    (dtk.planning.planner._BLOCKS_LIVE's note): 288 MiB; measured 331-339 MiB (2026-11-26).
+    (dtk.planning.planner._BLOCKS_LIVE's note): 288 MiB; measured 331-339 MiB with the layer's
+    projections (2026-11-26), 267 MiB for attention alone since the backward pass chains each
+    block's products (``scripts/bench_attention_memory.py``, which this test runs).
     MultiHeadAttention takes 3,984 MiB here. Memory, not time: a busy machine does not change it.
     Mutations: the blocks unchained (2.8 GiB), and the block's queries sliced before the chained
     product (every block's slice made at once: 481 MiB), both fail."""
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
     from tests import procs  # pylint: disable=import-outside-toplevel
-    res = procs.run_python(_MEMORY_PROBE, args=("8192",), timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    grew = int(res.stdout.split()[-1])
+    res = subprocess.run(
+        [sys.executable, str(procs.REPO / "scripts" / "bench_attention_memory.py"), "--json",
+         "--rows", "1", "--heads", "4", "--dim", "16", "--queries", "8192", "--keys", "8192",
+         "--skip", "--block_sizes", "128"],
+        capture_output=True, text=True, timeout=300, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    grew = json.loads(res.stdout.splitlines()[-1])["first_call"]
     planned = 18 * 1 * 4 * 8192 * 128 * 4  # tensors x rows x heads x queries x keys x bytes
     assert grew <= 1.4 * planned, (grew / 2**20, planned / 2**20)
