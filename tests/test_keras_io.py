@@ -60,7 +60,9 @@ def test_keras_io_example_trains_like_one_device_resumes_and_exports(name, tmp_p
     kept = [i for i, w in enumerate(resumed.model.weights) if id(w) not in {
         id(v) for m in checkpoint._metric_objects(resumed.model) for v in m.variables}]  # pylint: disable=protected-access
     got = [got[i] for i in kept]
-    paths = resumed.export(str(tmp_path / "export"))
+    # The .keras file, which is what the test reads (a SavedModel is written and served by
+    # test_trainer.py::test_export_round_trip and the nested-layer export of test_keras_contract.py).
+    paths = resumed.export(str(tmp_path / "export"), formats=["keras"])
     example = zoo.EXAMPLES[name]
     if example.keras_loads:
         loaded = tf_keras.models.load_model(paths["keras"], custom_objects=example.custom_objects)
