@@ -479,10 +479,11 @@ class DistributedDataset:
         if not self.infinite:
             dataset = dataset.take(self.num_batches).repeat()
         # tf.data's autotuning off for the stream: destroying an autotuned iterator waits for its
-        # optimization loop (gdb: a timed wait in tf.data's Model::OptimizeLoop). Every restart of the stream (a predict or evaluate after a fit, a resume, a repeated
-        # epoch) destroyed one: the "prefetch stall" (issue 39: a 2-epoch DenseNet121 fit, then
-        # predict: 33-44 s in 4 of 5 runs, 3.6-3.9 s in 2 of 2 without). AUTOTUNE parallelism then
-        # takes all cores at once (dtk's own thread already prefetches; BUILD.md, "Stress runs").
+        # optimization loop (gdb: a timed wait in tf.data's Model::OptimizeLoop), and every
+        # restart of the stream (a predict or evaluate after a fit, a resume, a repeated epoch)
+        # destroyed one: the "prefetch stall" (issue 39: a 2-epoch DenseNet121 fit, then predict:
+        # 33-44 s in 4 of 5 runs, 3.6-3.9 s in 2 of 2 without). AUTOTUNE parallelism then takes
+        # all cores at once (dtk's own thread already prefetches; BUILD.md, "Stress runs").
         options = tf.data.Options()
         options.autotune.enabled = False
         return dataset.with_options(options)
