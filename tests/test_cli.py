@@ -237,6 +237,28 @@ def test_failed_save_names_its_cause():
     assert first_line(e) == "RESOURCE_EXHAUSTED: /ckpt/ckpt-47_temp/part-0.data; No space left on device"
 
 
+_SCRIPT_START = (
+    "import os, sys\n"
+    "from dtk import cli\n"
+    "cli.setup_output(verbose=False)\n"
+    "print(os.environ.get('TF_USE_LEGACY_KERAS'), 'keras' in sys.modules, "
+    "'tensorflow' in sys.modules)\n")
+
+
+@pytest.mark.parametrize("given, want", [(None, "1 False True"), ("0", "0 True True")])
+def test_scripts_start_tensorflow_without_keras_3_unless_the_user_says(given, want):
+    """dtk.cli.setup_output (every script's start) sets TF_USE_LEGACY_KERAS=1 when it is unset,
+    so TensorFlow does not import Keras 3 (the ``keras`` package), which dtk's tf_keras models
+    never use; a value the user set is kept (then TensorFlow imports Keras 3 as usual)."""
+    env = {k: v for k, v in procs.base_env().items() if k != "TF_USE_LEGACY_KERAS"}
+    if given is not None:
+        env["TF_USE_LEGACY_KERAS"] = given
+    res = subprocess.run([sys.executable, "-c", _SCRIPT_START], capture_output=True, text=True,
+                         timeout=120, cwd=procs.REPO, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[-2] == want, res.stdout
+
+
 def test_accelerator_check_says_cpu_only_in_one_line_and_exits_0():
     """The accelerator lane (scripts/accelerator_check.py) on a CPU-only machine: one line, 0."""
     res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "accelerator_check.py")],

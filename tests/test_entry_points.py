@@ -445,7 +445,6 @@ def test_config_types_are_checked(mesh):
         _trainer(mesh, metrics={"out": "accuracy"})
 
 
-
 @pytest.mark.parametrize("argv, phrase", [
     (["--block_sizes", "abc"], "--block_sizes 'abc': give positive integers that divide --keys"),
     (["--block_sizes", "0"], "--block_sizes '0': give positive integers"),
