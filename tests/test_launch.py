@@ -341,26 +341,27 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, network, victim):
 @pytest.mark.slow
 @pytest.mark.zoo  # 25 s; every run refuses a second run by the lock: test_trainer, test_train_mnist
 def test_second_group_on_a_checkpoint_directory_is_refused(tmp_path):
-    """Two 2-client groups on one checkpoint directory: the second one's lead client finds the
-    first one's lock and the whole second group stops before training, naming the holder."""
+    """A 2-client group on a checkpoint directory another run holds: the lead client finds the
+    lock, every client learns it before any step, and each stops with its own error (the lead's
+    names the holder). Before, client 1 trained into the first collective and the group stopped
+    only when the lead's exit wait (30 s) ran out."""
     ckpt = tmp_path / "ckpt"
-    proc, _ = _start(tmp_path, MC_CKPT=str(ckpt))
+    ckpt.mkdir()
+    holder = procs.hold_checkpoint_lock(ckpt, host="other-host", run_id="run-elsewhere")
     try:
-        lock = ckpt / ".dtk-lock"
-        deadline = time.monotonic() + TIMEOUT
-        while not (lock.exists() and lock.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-            time.sleep(0.2)
-        holder = json.loads(lock.read_text())
         res, took = _launch("--num_clients", "2", "--devices_per_client", "4", "--",
                             sys.executable, CLIENT, env=procs.base_env(MC_CKPT=str(ckpt)))
-        assert proc.poll() is None, "the first group ended before the second one checked"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
-    assert res.returncode != 0
-    assert f"is in use by another run (host {holder['host']}, pid {holder['pid']}," in res.stdout, \
-        res.stdout[-3000:]
+        holder.kill()
+        holder.wait()
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    error = "dtk.train.checkpoint.CheckpointError: checkpoint directory"
+    assert (f"[client 0] {error} {ckpt} is in use by another run (host other-host, "
+            f"pid {holder.pid},") in out, out[-3000:]
+    assert f"[client 1] {error} {ckpt} is in use by another run: client 0 found its lock" in out, \
+        out[-3000:]
+    assert "global step" not in out, out[-3000:]  # no client trained
     assert took < 90
 
 

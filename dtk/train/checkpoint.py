@@ -58,6 +58,7 @@ from tensorflow.python.ops import gen_io_ops
 
 from dtk.cluster import env as cluster
 from dtk.parallel import layouts as layouts_lib
+from dtk.parallel import mesh as mesh_lib
 from dtk.errors import first_line
 
 _log = logging.getLogger("dtk")
@@ -215,6 +216,11 @@ class Checkpointer:
       max_to_keep: how many checkpoints to keep.
       mesh: the model's mesh; in a multi-client run, saves wait at a barrier on it, and client 0
         alone records the checkpoint once every client's shards are written.
+      lock: take the directory's lock (``lock_directory``; the lead client holds it for the run).
+        With ``mesh`` given in a multi-client run, every client raises when the lead is refused,
+        before any step, so the whole group stops at once.
+      asynchronous: write checkpoints in a background thread (``save`` returns once the values
+        are copied; ``wait`` waits for the write).
     """
 
     def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
@@ -230,9 +236,25 @@ class Checkpointer:
         # The id of the run that writes here: fresh, or the restored checkpoint's (a resumed run
         # continues the run that wrote it). Recorded in every checkpoint and in the lock.
         self.run_id = uuid.uuid4().hex[:12]
-        self._locked = lock and cluster.is_lead_client()
-        if self._locked:  # the lead client holds it for every client of the run
-            lock_directory(self.directory, run_id=self.run_id)
+        self._locked = False
+        refused = None
+        if lock and cluster.is_lead_client():  # the lead holds it for every client of the run
+            try:
+                lock_directory(self.directory, run_id=self.run_id)
+                self._locked = True
+            except CheckpointError as e:
+                refused = e
+        if lock and mesh is not None and cluster.is_multi_client():
+            # Every client learns the lead's answer before any step. Otherwise the others would
+            # train into the first collective and wait there for the refused lead until the
+            # group's exit timeout.
+            if mesh_lib.values_on_all_clients(mesh, float(refused is not None))[0] and not refused:
+                raise CheckpointError(
+                    f"checkpoint directory {self.directory} is in use by another run: client 0 "
+                    "found its lock (its error names the holder). Wait for that run to finish or "
+                    "stop it, or give this run another checkpoint directory")
+        if refused is not None:
+            raise refused
         self._state_file_warned = False
         self.restored: str | None = None
         self._mesh = mesh
