@@ -155,7 +155,7 @@ class PositionEmbedding(tf_keras.layers.Layer):
 
 def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, heads: int = 4,
                    layers: int = 2, ff: int | None = None, dropout: float = 0.0,
-                   attention: str = "mha", block_size: int = 128,
+                   attention: str = "mha", block_size: int | None = None,
                    name: str = "transformer_lm") -> tf_keras.Model:
     """A decoder-only (GPT-style) transformer over byte tokens: next-token logits ``[B, T, vocab]``.
 
@@ -166,7 +166,8 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
 
     ``attention="blockwise"`` computes attention ``block_size`` keys at a time
     (``dtk.parallel.attention.BlockwiseAttention``: the same weights, memory linear in
-    ``seq_len``; no dropout on the attention probabilities, the residual dropout stays).
+    ``seq_len``; no dropout on the attention probabilities, the residual dropout stays; None:
+    the layer's default, 256 keys where they divide ``seq_len``).
     """
     ff = ff or 4 * dim
     if attention not in ("mha", "blockwise"):
@@ -187,7 +188,7 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
         kv = sequence.SequenceGather(name=f"block{i}_kv")(a)  # every key and value position
         q = sequence.SequenceGather(megatron_only=True, name=f"block{i}_q")(a)
         if attention == "blockwise":
-            attn = BlockwiseAttention(heads, dim // heads, block_size=min(block_size, seq_len),
+            attn = BlockwiseAttention(heads, dim // heads, block_size=block_size,
                                       name=f"block{i}_attn")
         else:
             attn = tf_keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout,

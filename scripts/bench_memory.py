@@ -132,8 +132,8 @@ def _script_flags(flags: list[str], args, dim: int, summary: str) -> list[str]:
     return [os.path.join(REPO, "scripts", "train_lm.py"),
             *flags, "--dim", str(dim), "--layers", str(args.layers),
             "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
-            "--heads", str(args.heads), "--block_size", str(args.block_size),
-            "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
+            "--heads", str(args.heads),
+            *(["--block_size", str(args.block_size)] if args.block_size else []), "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
             "--sample_bytes", "0", "--summary_json", summary]
 
 
@@ -198,8 +198,9 @@ def main() -> int:
     parser.add_argument("--seq_len", type=int, default=32)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--global_batch_size", type=int, default=8)
-    parser.add_argument("--block_size", type=int, default=128,
-                        help="keys per block of blockwise attention (train_lm.py's --block_size)")
+    parser.add_argument("--block_size", type=int, default=None,
+                        help="keys per block of blockwise attention (train_lm.py's --block_size; "
+                             "default: its default)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--num_clients", type=int, default=4)
     parser.add_argument("--devices_per_client", type=int, default=2)

@@ -42,7 +42,8 @@ flags.DEFINE_enum("sequence_attention", None, ["auto", "all_gather", "all_to_all
                   "On a mesh with a seq axis: attention gathers keys and values (all_gather), "
                   "re-shards to heads (all_to_all, Ulysses), or auto (the faster on the mesh, "
                   "timed); default: the layout table's (transformer_lm: auto).")
-flags.DEFINE_integer("block_size", 128, "Keys per block of blockwise attention (divides --seq_len).")
+flags.DEFINE_integer("block_size", None, "Keys per block of blockwise attention (divides "
+                     "--seq_len); default 256, or the largest divisor of --seq_len below it.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
@@ -57,8 +58,8 @@ def _check_flags():
                  "eval_batches"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
-    if FLAGS.attention == "blockwise" and (FLAGS.block_size < 1 or
-                                           FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
+    if FLAGS.attention == "blockwise" and FLAGS.block_size is not None and (
+            FLAGS.block_size < 1 or FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
         raise UsageError(f"--block_size {FLAGS.block_size} does not divide --seq_len "
                          f"{FLAGS.seq_len}; use a divisor of it (e.g. 128 for 4096)")
     if FLAGS.dim % FLAGS.heads:

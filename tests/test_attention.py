@@ -108,6 +108,20 @@ def test_a_block_size_that_does_not_divide_the_sequence_is_one_value_error():
         layer(x, x)
 
 
+@pytest.mark.parametrize("keys, block", [(64, 64), (256, 256), (512, 256), (4096, 256),
+                                         (384, 192), (1000, 250), (257, 1)])
+def test_the_default_block_is_256_keys_or_the_largest_divisor_below(keys, block):
+    assert attention.default_block_size(keys) == block
+    assert attention.BlockwiseAttention(4, 8).block_size_for(keys) == block
+    assert attention.BlockwiseAttention(4, 8, block_size=128).block_size_for(keys) == min(128, keys)
+
+
+def test_a_length_without_a_divisor_of_32_to_256_is_named_in_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="dtk"):
+        assert attention.default_block_size(1031) == 1  # a prime
+    assert "1031 keys have no divisor between 32 and 256, so blocks of 1 keys" in caplog.text
+
+
 def test_the_layer_round_trips_through_its_config():
     layer = attention.BlockwiseAttention(4, 8, block_size=32)
     again = attention.BlockwiseAttention.from_config(layer.get_config())

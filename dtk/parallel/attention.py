@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import tensorflow as tf
@@ -34,6 +36,26 @@ _LAG = 1  # blocks in flight: block j starts once block j - _LAG is done (2 meas
 # costs speed (LM, T = 4,096, batch=8: 3,399 against 2,210 ms a step unchained), and below it
 # the scores are small (T = 512, 8 rows, 8 heads: 64 MiB in all; one row of 2,048, 4 heads).
 _CHAIN_BYTES = 64 << 20
+# Keys per block when none is given. Measured (BUILD.md, "Long sequences"): one row of 4,096 on
+# batch=1,seq=8, blocks of 256 held 0.245-0.248x the memory of MultiHeadAttention on batch=8,
+# blocks of 128 0.273x, 512 about the same as 256; fewer blocks are fewer ops, so faster too.
+DEFAULT_BLOCK_SIZE = 256
+
+
+@functools.lru_cache(maxsize=None)  # one warning per length
+def default_block_size(key_length: int) -> int:
+    """Keys per block for ``key_length`` keys when none is given: ``DEFAULT_BLOCK_SIZE``, the
+    whole length when it is shorter, else the largest divisor of the length below it."""
+    if key_length <= DEFAULT_BLOCK_SIZE:
+        return key_length
+    block = max(d for d in range(1, DEFAULT_BLOCK_SIZE + 1) if key_length % d == 0)
+    if block < 32:
+        logging.getLogger("dtk").warning(
+            "blockwise attention: %d keys have no divisor between 32 and %d, so blocks of %d "
+            "keys (%d blocks, each a few ops, slow to trace and run); a sequence length divisible "
+            "by %d is faster", key_length, DEFAULT_BLOCK_SIZE, block, key_length // block,
+            DEFAULT_BLOCK_SIZE)
+    return block
 
 
 def _block_scores(q, q_pos, k_blk, k_start, causal, *, heads_first: bool = False):
@@ -196,17 +218,18 @@ class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
     so layout tables apply unchanged), values and gradients, memory linear in the key length.
 
     Args:
-      block_size: keys per block; must divide the key length.
+      block_size: keys per block; must divide the key length (a block longer than the keys is
+        one block). None: ``default_block_size`` of the key length (256 where it divides).
       Others: as ``tf_keras.layers.MultiHeadAttention`` (``dropout`` must be 0).
     """
 
-    def __init__(self, num_heads, key_dim, *, block_size: int = 128, **kwargs):
+    def __init__(self, num_heads, key_dim, *, block_size: int | None = None, **kwargs):
         if kwargs.get("dropout", 0.0):
             raise ValueError(f"BlockwiseAttention does not drop attention probabilities "
                              f"(dropout={kwargs['dropout']}); pass dropout=0 (a transformer's "
                              "residual dropout is unaffected) or use MultiHeadAttention")
         for name, value in (("num_heads", num_heads), ("key_dim", key_dim),
-                            ("block_size", block_size)):
+                            ("block_size", 1 if block_size is None else block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockwiseAttention: {name} must be a positive integer; got "
                                  f"{value!r}")
@@ -230,10 +253,16 @@ class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
             return super()._compute_attention(query, key, value, attention_mask, training)
         # Future key blocks are skipped by slicing the queries, unless they are sharded along
         # the sequence (dtk.parallel.sequence sets this for context parallelism by all-gather).
-        out = blockwise_attention(query, key, value, block_size=self.block_size,
+        out = blockwise_attention(query, key, value, block_size=self.block_size_for(key.shape[1]),
                                   causal=self._dtk_causal,
                                   skip_future=not getattr(self, "_dtk_queries_sharded", False))
         return out, None
+
+    def block_size_for(self, key_length: int) -> int:
+        """The keys per block this layer uses for ``key_length`` keys."""
+        if self.block_size is None:
+            return default_block_size(int(key_length))
+        return min(self.block_size, int(key_length))
 
     def get_config(self):
         return {**super().get_config(), "block_size": self.block_size}

@@ -216,7 +216,7 @@ def _blocks_working_set(layer, name: str, query, value, weights) -> LayerProfile
     of ``heads x Tq x block`` (chained), or three times the whole scores where those are fewer.
     Its weights (the query projection's) tell the planner how heads are split."""
     heads, tq, tk = layer._num_heads, int(query.shape[1]), int(value.shape[1])  # pylint: disable=protected-access
-    live = min(_BLOCKS_LIVE * heads * tq * min(layer.block_size, tk), 3 * heads * tq * tk)
+    live = min(_BLOCKS_LIVE * heads * tq * layer.block_size_for(tk), 3 * heads * tq * tk)
     return LayerProfile(name=name + "/blocks", in_elements=0, out_elements=live,
                         itemsize=query.dtype.size, weights=weights)
 
