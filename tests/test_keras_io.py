@@ -21,28 +21,54 @@ FAST = {"image_classification_from_scratch", "vae"}
 RANDOM_AT_INFERENCE = {"vae"}
 
 
-def _fit(name, mesh_spec, *, epochs=2, **config):
+def _trainer(name, mesh_spec, **config):
     example = zoo.EXAMPLES[name]
-    x, y = example.data()
-    mesh = dtk.build_mesh(mesh_spec)
-    trainer = dtk.Trainer(mesh=mesh, model=example.factory, layout="data_parallel",
-                          allow_replicated=True, input_shape=example.input_shape,
-                          config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=1,
-                                                   **config))
-    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), mesh,
+    return dtk.Trainer(mesh=dtk.build_mesh(mesh_spec), model=example.factory,
+                       layout="data_parallel", allow_replicated=True,
+                       input_shape=example.input_shape,
+                       config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=1,
+                                                **config))
+
+
+def _fit(name, mesh_spec_or_trainer, *, epochs=2, **config):
+    trainer = (mesh_spec_or_trainer if isinstance(mesh_spec_or_trainer, dtk.Trainer)
+               else _trainer(name, mesh_spec_or_trainer, **config))
+    x, y = zoo.EXAMPLES[name].data()
+    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), trainer.mesh,
                                   dtk.InputConfig(global_batch_size=zoo.B))
     return trainer.fit(data, epochs=epochs).history, trainer
+
+
+def _check_starts_from_plain_tf_keras_weights(name, model):
+    """A dtk build's initial weights are plain tf_keras's build with the same seed (issue 40)."""
+    example = zoo.EXAMPLES[name]
+    # plain tf_keras in the same process, after dtk (which turns on tf_keras's tf.random.Generator
+    # mode, as DTensor requires: random layers then seed themselves differently)
+    tf_keras.utils.set_random_seed(7)
+    plain = example.factory()
+    if not plain.built:
+        plain(tf.zeros([1, *example.input_shape]))
+    # keyed by where each weight lives (layer index, class, attribute), not by name or order
+    want = checkpoint._weights_by_identity(plain)  # pylint: disable=protected-access
+    got = checkpoint._weights_by_identity(model)  # pylint: disable=protected-access
+    assert sorted(got) == sorted(want)
+    for key, variable in want.items():
+        np.testing.assert_array_equal(checkpoint.global_value(got[key]), variable.numpy(),
+                                      err_msg=key)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
                                   for n in zoo.EXAMPLES])
 def test_keras_io_example_trains_like_one_device_resumes_and_exports(name, tmp_path):
-    """Epoch 1 on batch=8, stopped, resumed onto batch=4,model=2 for epoch 2: every number
-    either reports equals batch=1's (1e-5), so each mesh trains like one device and the
-    checkpoint carries the whole state across meshes; then the export."""
+    """The batch=8 build starts from plain tf_keras's initial weights (same seed); epoch 1 on
+    batch=8, stopped, resumed onto batch=4,model=2 for epoch 2: every number either reports
+    equals batch=1's (1e-5), so each mesh trains like one device and the checkpoint carries the
+    whole state across meshes; then the export."""
     one, _ = _fit(name, "batch=1")
     ckpt = str(tmp_path / "ckpt")
-    _, stopped = _fit(name, "batch=8", epochs=1, checkpoint_dir=ckpt)
+    stopped = _trainer(name, "batch=8", checkpoint_dir=ckpt)
+    _check_starts_from_plain_tf_keras_weights(name, stopped.model)
+    _fit(name, stopped, epochs=1)
     history, resumed = _fit(name, "batch=4,model=2", epochs=2, checkpoint_dir=ckpt,
                             allow_change=("mesh",))
     # it resumed after epoch 1, it did not start again
@@ -94,25 +120,3 @@ def test_the_zoo_covers_the_pages_the_issue_names():
                   "Timeseries", "Variational AutoEncoder", "autoencoder"):
         assert words in pages, words
     assert len(zoo.EXAMPLES) >= 15
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
-                                  for n in zoo.EXAMPLES])
-def test_keras_io_example_starts_from_plain_tf_keras_weights(name):
-    """A dtk build's initial weights are plain tf_keras's build with the same seed (issue 40)."""
-    example = zoo.EXAMPLES[name]
-    model, _ = dtk.build_model(example.factory, dtk.build_mesh("batch=8"), "data_parallel",
-                               seed=7, allow_replicated=True, input_shape=example.input_shape)
-    # plain tf_keras in the same process, after dtk (which turns on tf_keras's tf.random.Generator
-    # mode, as DTensor requires: random layers then seed themselves differently)
-    tf_keras.utils.set_random_seed(7)
-    plain = example.factory()
-    if not plain.built:
-        plain(tf.zeros([1, *example.input_shape]))
-    # keyed by where each weight lives (layer index, class, attribute), not by name or order
-    want = checkpoint._weights_by_identity(plain)  # pylint: disable=protected-access
-    got = checkpoint._weights_by_identity(model)  # pylint: disable=protected-access
-    assert sorted(got) == sorted(want)
-    for key, variable in want.items():
-        np.testing.assert_array_equal(checkpoint.global_value(got[key]), variable.numpy(),
-                                      err_msg=key)

@@ -278,7 +278,7 @@ def test_resume_and_export_are_exact(tmp_path, name):
     for got, want in zip(dtk.gather_weights(resumed.model), dtk.gather_weights(whole.model)):
         np.testing.assert_array_equal(got, want)
 
-    paths = resumed.export(str(tmp_path / "export"))
+    paths = resumed.export(str(tmp_path / "export"), formats=["keras"])  # what is read here
     loaded = tf_keras.models.load_model(paths["keras"])
     np.testing.assert_allclose(loaded.predict(x[0], verbose=0), resumed.predict(
         input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices((x[0], y[0])), mesh,
@@ -315,7 +315,7 @@ def test_export_maps_weights_by_identity(tmp_path):
     x = np.random.default_rng(0).random((B, 5)).astype(np.float32)
     data = input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices(
         (x, np.zeros(B, np.int64))), mesh, input_lib.InputConfig(global_batch_size=B))
-    paths = trainer.export(str(tmp_path / "export"))
+    paths = trainer.export(str(tmp_path / "export"), formats=["keras"])
     loaded = tf_keras.models.load_model(paths["keras"],
                                         custom_objects={"TwoStatistics": TwoStatistics})
     np.testing.assert_allclose(loaded.predict(x, verbose=0), trainer.predict(data), rtol=1e-6,
