@@ -212,7 +212,8 @@ def _train_lm(tmp_path, name, *flags):
     res = subprocess.run(
         [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--steps", "12",
          "--eval_every", "6", "--eval_batches", "1", "--sample_bytes", "0", "--seq_len", "32",
-         "--layers", "1", "--dropout", "0.1", "--summary_json", str(summary), *flags],
+         "--layers", "1", "--dim", "32", "--heads", "4", "--global_batch_size", "16",
+         "--dropout", "0.1", "--summary_json", str(summary), *flags],
         capture_output=True, text=True, timeout=400, cwd=procs.REPO,
         env=procs.base_env(DTK_PLAN_CACHE=str(tmp_path / "plan_cache.json")))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
