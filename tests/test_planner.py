@@ -166,6 +166,12 @@ def test_blockwise_attentions_working_set_is_counted_linear_in_t():
     assert small[name] == planner._BLOCKS_LIVE * 4 * 256 * 16  # pylint: disable=protected-access
     assert large[name] == 2 * small[name]
     assert not any(n.endswith("/blocks") for n in blocks("mha", 256))
+    # a block of 256 keys (the default) is counted as one of 128: measured, about what those hold
+    default = planner.profile_model(functools.partial(
+        models.transformer_lm, vocab=256, seq_len=2048, dim=32, heads=4, layers=1,
+        attention="blockwise"))
+    assert {l.name: l.out_elements for l in default.layers}[name] == (
+        planner._BLOCKS_LIVE * 4 * 2048 * 128)  # pylint: disable=protected-access
 
 
 def test_model_axis_collectives_are_counted_from_the_table():

@@ -204,6 +204,10 @@ class PlanError(ValueError):
 # devices: 300-380 MiB a device over T = 128). Attention alone on one device holds 18 (150 and
 # 292 MiB at T = 4,096 and 8,192); two devices of a process running side by side hold more.
 _BLOCKS_LIVE = 32
+# Larger blocks hold about what blocks of this many keys hold (fewer of them are in flight):
+# measured the same way, over T = 128 per client, blocks of 128 / 256 / 512 keys: 510 / 452-462 /
+# 523 MiB (2026-11-27). Counting a block of 256 as two of 128 planned twice what it held.
+_LIVE_BLOCK_KEYS = 128
 
 
 def _blockwise_attention():
@@ -213,10 +217,12 @@ def _blockwise_attention():
 
 def _blocks_working_set(layer, name: str, query, value, weights) -> LayerProfile:
     """Blockwise attention's scores in flight, as a layer of their own: ``_BLOCKS_LIVE`` blocks
-    of ``heads x Tq x block`` (chained), or three times the whole scores where those are fewer.
+    of ``heads x Tq x block`` (chained; a block counted as at most ``_LIVE_BLOCK_KEYS`` keys), or
+    three times the whole scores where those are fewer.
     Its weights (the query projection's) tell the planner how heads are split."""
     heads, tq, tk = layer._num_heads, int(query.shape[1]), int(value.shape[1])  # pylint: disable=protected-access
-    live = min(_BLOCKS_LIVE * heads * tq * layer.block_size_for(tk), 3 * heads * tq * tk)
+    block = min(layer.block_size_for(tk), _LIVE_BLOCK_KEYS)
+    live = min(_BLOCKS_LIVE * heads * tq * block, 3 * heads * tq * tk)
     return LayerProfile(name=name + "/blocks", in_elements=0, out_elements=live,
                         itemsize=query.dtype.size, weights=weights)
 
