@@ -37,8 +37,8 @@ _LAG = 1  # blocks in flight: block j starts once block j - _LAG is done (2 meas
 # the scores are small (T = 512, 8 rows, 8 heads: 64 MiB in all; one row of 2,048, 4 heads).
 _CHAIN_BYTES = 64 << 20
 # Keys per block when none is given. Measured (BUILD.md, "Long sequences"): one row of 4,096 on
-# batch=1,seq=8, blocks of 256 held 0.243-0.267x the memory of MultiHeadAttention on batch=8
-# (4 runs), blocks of 128 0.273x, 512 about the same as 256; fewer blocks are fewer ops, faster.
+# batch=1,seq=8, blocks of 256 held 0.212-0.267x the memory of MultiHeadAttention on batch=8
+# (5 runs, median 0.245x), blocks of 128 0.273x, 512 about the same as 256; fewer ops, faster.
 DEFAULT_BLOCK_SIZE = 256
 
 
