@@ -61,7 +61,8 @@ def _check_flags():
     if FLAGS.attention == "blockwise" and FLAGS.block_size is not None and (
             FLAGS.block_size < 1 or FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
         raise UsageError(f"--block_size {FLAGS.block_size} does not divide --seq_len "
-                         f"{FLAGS.seq_len}; use a divisor of it (e.g. 128 for 4096)")
+                         f"{FLAGS.seq_len}; use a divisor of it (e.g. 256 for 4096), or leave "
+                         "it unset for the default")
     if FLAGS.dim % FLAGS.heads:
         raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
     if FLAGS.sample_bytes < 0:

@@ -228,8 +228,10 @@ class BlockwiseAttention(tf_keras.layers.MultiHeadAttention):
             raise ValueError(f"BlockwiseAttention does not drop attention probabilities "
                              f"(dropout={kwargs['dropout']}); pass dropout=0 (a transformer's "
                              "residual dropout is unaffected) or use MultiHeadAttention")
-        for name, value in (("num_heads", num_heads), ("key_dim", key_dim),
-                            ("block_size", 1 if block_size is None else block_size)):
+        given = [("num_heads", num_heads), ("key_dim", key_dim)]
+        if block_size is not None:  # None: the default for the key length (default_block_size)
+            given.append(("block_size", block_size))
+        for name, value in given:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"BlockwiseAttention: {name} must be a positive integer; got "
                                  f"{value!r}")
