@@ -59,6 +59,17 @@ def _spawning_names(module) -> set[str]:
     return spawning
 
 
+def _shares_work(item) -> bool:
+    """Whether ``item`` reuses work its module keeps between tests: a module-scoped fixture it
+    uses, or a memoized helper of the module (``functools.lru_cache``, such as a one-device
+    reference run). Such work is done once per worker process, so the module's tests run on one
+    worker (each worker computed the references the tests it got needed, many of them twice)."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d.scope == "module" for fixture in defs.values() for d in fixture):
+        return True
+    return any(hasattr(obj, "cache_info") for obj in vars(item.module).values())
+
+
 def _starts_processes(item, cache: dict) -> bool:
     module = item.module
     if module not in cache:
@@ -100,6 +111,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item, cache):
             _join_group(item, "processes", config)
+        elif _shares_work(item):
+            _join_group(item, item.module.__name__.rsplit(".", 1)[-1], config)
     # The longest first: the release lane's, then the other slow tests, then the rest (a stable
     # sort: file order within each). pytest-xdist hands the workers tests in this order once the
     # process-starting group is placed, so the suite ends on short tests. In file order the 193 s
