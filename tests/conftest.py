@@ -67,7 +67,8 @@ def _shares_work(item) -> bool:
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     if any(d.scope == "module" for fixture in defs.values() for d in fixture):
         return True
-    return any(hasattr(obj, "cache_info") for obj in vars(item.module).values())
+    return any(hasattr(obj, "cache_info") and getattr(obj, "__module__", None) == item.module.__name__
+               for obj in vars(item.module).values())  # its own helpers, not an imported one
 
 
 def _starts_processes(item, cache: dict) -> bool:
@@ -117,7 +118,7 @@ def pytest_collection_modifyitems(config, items):
     # sort: file order within each). pytest-xdist hands the workers groups and tests in this order
     # (--no-loadscope-reorder in setup.cfg: sorted by a group's test count, the 107 quick rows of
     # the layer table went first and the application tests later, beside the heaviest process
-    # tests: 1,891 s against 1,771 s), so the suite ends on short tests. In file order the 193 s
+    # tests: 1,891.6 s against 1,726.6 s in this order), so the suite ends on short tests. In file order the 193 s
     # DenseNet121 test ran last, alone: the suite took 1.10-1.12x half the per-test sum (the
     # perfect packing of 2 workers), against 1.01x in this order (issue 39, BUILD.md "Test budget").
     items.sort(key=lambda item: (item.get_closest_marker("zoo") is None,
