@@ -3,6 +3,7 @@
 dtk is imported first so its DTensor settings are in force before anything is traced.
 """
 
+import gc
 import inspect
 import os
 import re
@@ -99,6 +100,16 @@ def _join_group(item, name: str, config) -> None:
         if "@" not in item.nodeid and hasattr(item, "_id"):
             from _pytest.nodeid import coerce_node_id  # pylint: disable=g-import-not-at-top
             item._id = coerce_node_id(f"{item.nodeid}@{name}")  # pylint: disable=protected-access
+
+
+def pytest_collection_finish(session):
+    """Freezes what importing TensorFlow, tf_keras, dtk and the test modules made (about 380,000
+    objects, alive until the worker exits): Python's full collections, which run every few
+    hundred thousand allocations, then no longer walk them (tests/test_keras_io.py in one
+    process: 7.0 against 4.7 s of collections)."""
+    del session
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

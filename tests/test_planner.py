@@ -367,13 +367,17 @@ def test_planning_a_model_replication_cannot_fit_stays_within_the_plans_memory(t
 def test_the_step_is_timed_on_batch_d_while_it_fits_else_on_the_closest_candidate_that_does():
     """Issue 42: where the calibration runs. The replicated step fits: None (batch=D, as before).
     It does not: the fitting candidate without remat (its share is then measured) that needs the
-    least memory; nothing fits: None (choose() raises with the arithmetic)."""
-    free = _plan(gb=None)
+    least memory; nothing fits: None (choose() raises with the arithmetic). Width 256: the
+    sharded update splits its kernels (64K elements and more), so ZeRO's memory is below the
+    replicated update's."""
+    wide = functools.partial(models.transformer_lm, vocab=256, seq_len=16, dim=256, heads=8,
+                             layers=2)
+    free = _plan(wide, gb=None, lm=True)
     assert planner.calibration_candidate(free.candidates, 8) is None
     replicated = next(c for c in free.candidates if c.label == "batch=8 zero")
     # below its weights, state and gradients: no microbatch count makes batch=8 fit
     budget = (replicated.memory["total"] - replicated.memory["activations"]) / 2 ** 30 * 0.9
-    tight = _plan(gb=budget)
+    tight = _plan(wide, gb=budget, lm=True)
     on = planner.calibration_candidate(tight.candidates, 8)
     assert on is not None and on.fits and not on.label.startswith("batch=8 zero")
     plain = [c for c in tight.candidates if c.fits and not c.remat]

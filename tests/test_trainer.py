@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_keras
 
 import dtk
+from dtk.parallel import layouts
 from dtk.train import checkpoint as ckpt_lib
 from dtk.data import input as input_lib
 from dtk import models
@@ -398,10 +399,17 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("spec, layout, want", [("batch=8", "data_parallel", True),
-                                                ("batch=1", "data_parallel", False),
-                                                ("batch=4,model=2", "mlp_model_parallel", True)])
-def test_auto_shard_optimizer_state_rule(spec, layout, want):
+@pytest.mark.parametrize("spec, layout, min_elements, want", [
+    ("batch=8", "data_parallel", 1 << 12, True),
+    ("batch=1", "data_parallel", 1 << 12, False),
+    ("batch=4,model=2", "mlp_model_parallel", 1 << 12, True),
+    # the default threshold: every weight of this small MLP is below it
+    ("batch=8", "data_parallel", None, False)])
+def test_auto_shard_optimizer_state_rule(spec, layout, min_elements, want, monkeypatch):
+    """On when the batch axis splits some weight of SHARDED_UPDATE_MIN_ELEMENTS elements a
+    device or more (this MLP's kernel has 784 x 16 = 12,544)."""
+    if min_elements is not None:
+        monkeypatch.setattr(layouts, "SHARDED_UPDATE_MIN_ELEMENTS", min_elements)
     trainer = _trainer(spec, layout)
     assert trainer.steps.shard_optimizer_state is want
 

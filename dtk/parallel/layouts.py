@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -265,6 +266,25 @@ def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
                 dims[dim] = axis
                 break
     return tuple(dims)
+
+
+# The sharded update (``shard_optimizer_state``) splits a weight's update over the batch axis from
+# this many elements a device on. A smaller weight is updated in place on every device: its
+# update costs less than the float32 copy, the relayouts and the all-gather after each step that
+# splitting it needs, and each of those is one more op for DTensor to compile (DenseNet121, 606
+# weights on ``batch=8``: first step 41.8 s with every weight split, BUILD.md "Benchmarks").
+SHARDED_UPDATE_MIN_ELEMENTS = 1 << 16
+
+
+def sharded_update_dims(dims: Sequence[str | None], shape: Sequence[int], axis: str, size: int,
+                        *, split: int = 1) -> tuple[str | None, ...]:
+    """The dims of a weight's optimizer state under the sharded update: ``shard_over_axis`` for a
+    weight of at least ``SHARDED_UPDATE_MIN_ELEMENTS`` elements a device (``split``: the devices
+    its own dims already divide it over), else ``dims`` unchanged (updated in place, replicated
+    over ``axis``). The one rule for ``dtk.train.steps.update_layout`` and ``memory_per_device``."""
+    if math.prod(int(n) for n in shape) // max(split, 1) < SHARDED_UPDATE_MIN_ELEMENTS:
+        return tuple(dims)
+    return shard_over_axis(dims, shape, axis, size)
 
 
 def _apply_fsdp(planned: list[WeightPlan], paths, sizes: dict[str, int], batch_axis: str,
@@ -1067,9 +1087,10 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
     """Bytes per device of the weights and of the optimizer state, from the plan (no variables).
 
     ``optimizer_slots``: state tensors per weight (Adam/AdamW: 2, SGD with momentum: 1). With
-    ``shard_optimizer_state`` the state of a weight with a dim divisible by the batch axis is
-    split over it too (see ``dtk.train.steps.update_layout``); the sharded update also keeps a float32
-    copy of each weight laid out like its state.
+    ``shard_optimizer_state`` the state of a weight that ``sharded_update_dims`` splits (a dim
+    divisible by the batch axis, ``SHARDED_UPDATE_MIN_ELEMENTS`` or more elements a device) is
+    split over it too, and the sharded update keeps a float32 copy of that weight laid out like
+    its state (see ``dtk.train.steps.update_layout``); the other weights' state stays replicated.
     """
     sizes = dict(plan.mesh_axes)
     batch = sizes.get("batch", 1)
@@ -1077,10 +1098,11 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
     shard_optimizer_state = shard_optimizer_state and not plan.fsdp  # FSDP state is sharded
     state = 0
     for w in plan.weights:
-        split = 1
-        if shard_optimizer_state and shard_over_axis(w.dims, w.shape, "batch", batch) != w.dims:
-            split = batch
-        state += (optimizer_slots + (1 if shard_optimizer_state else 0)) * w.bytes_per_device // split
+        if shard_optimizer_state and sharded_update_dims(
+                w.dims, w.shape, "batch", batch, split=_split(w.dims, sizes)) != tuple(w.dims):
+            state += (optimizer_slots + 1) * w.bytes_per_device // batch  # + the float32 copy
+        else:
+            state += optimizer_slots * w.bytes_per_device
     # FSDP: the weights gathered for compute while a step runs (all of them without remat).
     gathered = sum(w.bytes_total // _split(w.compute_dims, sizes) - w.bytes_per_device
                    for w in plan.weights if w.compute_dims is not None)

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.parallel import fsdp, materialize, ops, randomness, remat
-from dtk.parallel.layouts import shard_over_axis
+from dtk.parallel.layouts import sharded_update_dims
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train import sparse as sparse_lib
 from dtk.train.optimizers import make_loss, make_metrics, make_optimizer
@@ -108,15 +109,19 @@ def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layo
     """The layout of a weight's optimizer state under ``shard_optimizer_state``.
 
     The weight's own layout, plus ``batch_axis`` on the first unsharded dim that the axis size
-    divides; unchanged (replicated over the axis) when no dim qualifies, e.g. a bias of 10 on
-    ``batch=8``. Example on ``batch=4,model=2``: kernel ``[784, 128]`` laid out
-    ``[unsharded, model]`` gets ``[batch, model]``: each device updates a 196 x 64 slice.
+    divides (``layouts.sharded_update_dims``); unchanged (the weight updated in place,
+    replicated over the axis) when no dim qualifies, e.g. a bias of 10 on ``batch=8``, or when
+    the weight has fewer than ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device. Example
+    on ``batch=4,model=2``: kernel ``[784, 128]`` laid out ``[unsharded, model]`` gets
+    ``[batch, model]``: each device updates a 196 x 64 slice.
     """
     layout = dtensor.fetch_layout(variable)
     if batch_axis not in mesh.dim_names:
         return layout
     dims = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
-    dims = shard_over_axis(dims, variable.shape, batch_axis, mesh.dim_size(batch_axis))
+    split = math.prod(mesh.dim_size(d) for d in dims if d)
+    dims = sharded_update_dims(dims, variable.shape, batch_axis, mesh.dim_size(batch_axis),
+                               split=split)
     return dtensor.Layout([d or dtensor.UNSHARDED for d in dims], mesh)
 
 
@@ -124,8 +129,9 @@ def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -
     """The ``shard_optimizer_state="auto"`` rule: shard when it shards something.
 
     On when ``batch_axis`` has more than one device and at least one weight has a dim that the
-    sharded update can split over it (``update_layout`` differs from the weight's layout); off on
+    sharded update splits over it (``update_layout`` differs from the weight's layout); off on
     ``batch=1`` meshes and for models whose weights are all too small or already sharded there.
+    Only the weights it splits get the sharded update; the rest are updated in place.
     The same rule in one process and across clients: a 2-client group killed mid-run, or while
     saving, resumes to the losses of one uninterrupted process
     (``tests/test_launch.py::test_restart_resumes_from_checkpoint``).
@@ -283,6 +289,7 @@ class Steps:
         self.trace_counts = {"train": 0, "evaluate": 0, "predict": 0}
         self._random_ops_checked = False
         self._masters = None
+        self._split: list[bool] = []
         self.remat_layers = remat.apply(model, config.remat) if config.remat else []
         # A model that overrides train_step / test_step runs its own step (see _custom_train).
         self.custom = overridden_steps(model)
@@ -320,20 +327,29 @@ class Steps:
             tf.nest.map_structure(lambda t: tf.gather(t, i), part) for part in stack))
 
     def _create_state(self, shard: bool) -> None:
-        """The sharded update's float32 masters (where ``shard``) and the optimizer's slots."""
+        """The sharded update's float32 masters (where ``shard``) and the optimizer's slots.
+
+        Under ``shard`` the weights that ``update_layout`` splits get a master laid out like their
+        state; the others are their own (updated in place, as without ``shard``).
+        """
+        # Under mixed precision the weights are AutoCastVariables: the float32 DVariables are
+        # what the optimizer updates and builds its slots on.
+        own = [getattr(v, "_variable", v) for v in self._dense_variables]
         if shard:
             variables = self._dense_variables
             self._model_layouts = [dtensor.fetch_layout(v) for v in variables]
             self._master_layouts = [update_layout(v, self.mesh, self.config.batch_axis)
                                     for v in variables]
+            self._split = [master.sharding_specs != model.sharding_specs for master, model
+                           in zip(self._master_layouts, self._model_layouts)]
             self._masters = [
                 dtensor.DVariable(dtensor.relayout(v.read_value(), layout), trainable=False,
                                   name=v._shared_name)  # pylint: disable=protected-access
-                for v, layout in zip(variables, self._master_layouts)]
+                if split else weight
+                for v, weight, layout, split in zip(variables, own, self._master_layouts,
+                                                    self._split)]
         # Build optimizer slots eagerly so checkpoints can restore them before the first step.
-        # Under mixed precision the weights are AutoCastVariables: build on the float32 DVariables.
-        self.optimizer.build(self._masters or [getattr(v, "_variable", v)
-                                               for v in self._dense_variables])
+        self.optimizer.build(self._masters or own)
 
     # -- a model's own train_step / test_step ----------------------------------------------------
     def _prepare_custom_steps(self, loss, config: StepConfig) -> None:
@@ -555,17 +571,23 @@ class Steps:
     def _sharded_update(self, grads, variables):
         # Pin each gradient to its weight's layout first: otherwise layout propagation pushes the
         # sharded layout into the gradient's producer (Conv2DBackpropFilter cannot produce it).
-        grads = [dtensor.relayout(dtensor.relayout(g, model_layout), layout) for g, model_layout,
-                 layout in zip(grads, self._model_layouts, self._master_layouts)]
+        # A weight the update does not split is its own master: its gradient goes as it is.
+        grads = [dtensor.relayout(dtensor.relayout(g, model_layout), layout) if split else g
+                 for g, model_layout, layout, split in zip(grads, self._model_layouts,
+                                                           self._master_layouts, self._split)]
         self.optimizer.apply_gradients(zip(grads, self._masters))
-        for variable, master, layout in zip(variables, self._masters, self._model_layouts):
-            variable.assign(dtensor.relayout(master, layout))  # all-gather over the batch axis
+        for variable, master, layout, split in zip(variables, self._masters, self._model_layouts,
+                                                   self._split):
+            if split:
+                variable.assign(dtensor.relayout(master, layout))  # all-gather over the batch axis
 
     def sync_update_state(self) -> None:
         """Copies the model's weights into the sharded update copies (after restoring weights)."""
-        for master, variable, layout in zip(self._masters or (), self._dense_variables,
-                                            self._master_layouts if self._masters else ()):
-            master.assign(dtensor.relayout(variable.read_value(), layout))
+        for master, variable, layout, split in zip(
+                self._masters or (), self._dense_variables,
+                self._master_layouts if self._masters else (), self._split):
+            if split:
+                master.assign(dtensor.relayout(variable.read_value(), layout))
 
     def _eval_body(self, batch):
         features, labels, weights = batch
