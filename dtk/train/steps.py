@@ -56,10 +56,12 @@ class StepConfig:
       steps_per_execution: batches per compiled call; the input must then be stacked ``[n, B, ...]``.
       shard_optimizer_state: ZeRO-style weight update: True, False or ``"auto"`` (the default).
         Replicated weights make every device run the whole optimizer update and hold all of its
-        state. With this option the optimizer state and the update are sharded over
-        ``batch_axis`` (each device updates its slice of each weight, on the first dim not
-        already sharded that the axis size divides), then the weights are all-gathered. Same
-        numbers (parity-tested); optimizer memory per device drops by the batch axis size.
+        state. With this option the optimizer state and the update of each weight of
+        ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device or more are sharded over
+        ``batch_axis`` (each device updates its slice, on the first dim not already sharded
+        that the axis size divides), then those weights are all-gathered; smaller weights are
+        updated in place (their all-gathers would cost more than they save). Same numbers
+        (parity-tested); those weights' optimizer memory per device drops by the axis size.
         ``"auto"`` turns it on when the batch axis has more than one device and at least one
         weight can be sharded on it (see ``auto_shard_optimizer_state``): measured faster on
         every workload of ``scripts/bench.py`` (BUILD.md), and a memory saving besides.
@@ -136,7 +138,8 @@ def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -
     saving, resumes to the losses of one uninterrupted process
     (``tests/test_launch.py::test_restart_resumes_from_checkpoint``).
     Measured (BUILD.md, "Benchmarks"): faster than the replicated update on the MLP, the heavy
-    MLP and the language model, with optimizer memory per device divided by the axis size.
+    MLP and the language model, with the split weights' optimizer memory per device divided
+    by the axis size.
     """
     if batch_axis not in mesh.dim_names or mesh.dim_size(batch_axis) < 2:
         return False
