@@ -243,3 +243,16 @@ def test_variables_made_sharing_handle_compilation_keep_their_names_and_values()
         with materialize.shared_handle_compilation():
             raise RuntimeError("a failed build")
     assert gen.var_handle_op is original
+
+
+def test_planned_memory_counts_the_sharded_update_of_large_weights_only():
+    """memory_per_device follows the step's rule (layouts.sharded_update_dims): on batch=8 the MLP's
+    784 x 128 kernel (100,352 elements) has its 2 Adam slots and its float32 copy split 8 ways;
+    its 128 + 1,280 + 10 other elements keep 2 replicated slots and no copy."""
+    plan = layouts.plan_layouts("data_parallel", dtk.build_mesh("batch=8"), models.mnist_mlp,
+                                allow_replicated=True)
+    large, small = 784 * 128 * 4, (128 + 128 * 10 + 10) * 4
+    assert layouts.memory_per_device(plan, optimizer_slots=2)["optimizer"] == 2 * (large + small)
+    got = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=True)
+    assert got["optimizer"] == 3 * large // 8 + 2 * small
+    assert got["weights"] == large + small
