@@ -276,15 +276,16 @@ def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
 SHARDED_UPDATE_MIN_ELEMENTS = 1 << 16
 
 
-def sharded_update_dims(dims: Sequence[str | None], shape: Sequence[int], axis: str, size: int,
-                        *, split: int = 1) -> tuple[str | None, ...]:
+def sharded_update_dims(dims: Sequence[str | None], shape: Sequence[int], axis: str,
+                        sizes: dict[str, int]) -> tuple[str | None, ...]:
     """The dims of a weight's optimizer state under the sharded update: ``shard_over_axis`` for a
-    weight of at least ``SHARDED_UPDATE_MIN_ELEMENTS`` elements a device (``split``: the devices
-    its own dims already divide it over), else ``dims`` unchanged (updated in place, replicated
-    over ``axis``). The one rule for ``dtk.train.steps.update_layout`` and ``memory_per_device``."""
-    if math.prod(int(n) for n in shape) // max(split, 1) < SHARDED_UPDATE_MIN_ELEMENTS:
+    weight of at least ``SHARDED_UPDATE_MIN_ELEMENTS`` elements a device (its whole size over
+    the devices its own ``dims`` divide it over; ``sizes``: the mesh's axis sizes), else ``dims``
+    unchanged (updated in place, replicated over ``axis``). The one rule for
+    ``dtk.train.steps.update_layout`` and ``memory_per_device``."""
+    if math.prod(int(n) for n in shape) // _split(dims, sizes) < SHARDED_UPDATE_MIN_ELEMENTS:
         return tuple(dims)
-    return shard_over_axis(dims, shape, axis, size)
+    return shard_over_axis(dims, shape, axis, sizes.get(axis, 1))
 
 
 def _apply_fsdp(planned: list[WeightPlan], paths, sizes: dict[str, int], batch_axis: str,
@@ -1099,7 +1100,7 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
     state = 0
     for w in plan.weights:
         if shard_optimizer_state and sharded_update_dims(
-                w.dims, w.shape, "batch", batch, split=_split(w.dims, sizes)) != tuple(w.dims):
+                w.dims, w.shape, "batch", sizes) != tuple(w.dims):
             state += (optimizer_slots + 1) * w.bytes_per_device // batch  # + the float32 copy
         else:
             state += optimizer_slots * w.bytes_per_device

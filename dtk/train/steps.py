@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,9 +120,8 @@ def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layo
     if batch_axis not in mesh.dim_names:
         return layout
     dims = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
-    split = math.prod(mesh.dim_size(d) for d in dims if d)
-    dims = sharded_update_dims(dims, variable.shape, batch_axis, mesh.dim_size(batch_axis),
-                               split=split)
+    dims = sharded_update_dims(dims, variable.shape, batch_axis,
+                               {name: mesh.dim_size(name) for name in mesh.dim_names})
     return dtensor.Layout([d or dtensor.UNSHARDED for d in dims], mesh)
 
 
