@@ -74,9 +74,9 @@ def _check_flags():
     if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
         raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
-    if not FLAGS.prompt:
+    if FLAGS.sample_bytes and not FLAGS.prompt:
         raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
-    if len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
+    if FLAGS.sample_bytes and len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
         raise UsageError(f"--prompt is {len(FLAGS.prompt.encode())} bytes; keep it shorter than "
                     f"--seq_len {FLAGS.seq_len}")
 

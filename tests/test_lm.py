@@ -159,12 +159,81 @@ def test_an_id_outside_a_row_sharded_table_fails_the_step(tmp_path):
     assert "[70]" in res.stdout
 
 
-def test_vocab_sharded_embedding_under_fsdp_is_refused_before_dtensor(tmp_path):
-    table = tmp_path / "rows.toml"
-    table.write_text(_rows_table("model"))
-    with pytest.raises(ValueError, match=r"weight embed.embeddings \[64, 32\] is an Embedding table "
-                                         r"sharded on dim 0 .*gathered by FSDP.*Drop fsdp"):
-        layouts.plan_layouts(str(table), dtk.build_mesh("batch=4,model=2"), FACTORY, fsdp=True)
+# Wide enough for few tokens (4 a row) that FSDP gathers the MLP's activations instead of its
+# kernels, and narrow enough that attention's kernels are gathered (dtk.parallel.fsdp).
+WIDE = functools.partial(models.transformer_lm, vocab=64, seq_len=4, dim=64, heads=8, layers=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_reference():
+    tf_keras.utils.set_random_seed(7)
+    model, opt = WIDE(), _optimizer("adam")
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+
+    x, y = _data()
+    return np.array([float(step(x[i, :, :4], y[i, :, :4])) for i in range(N)])
+
+
+@pytest.mark.parametrize("spec, table, embed", [
+    # issue 57: the table the mesh leaves whole, cut on its rows by FSDP alone, is gathered
+    # (it was looked up block by block, which replicated every activation after it)
+    ("batch=8", None, ("[batch, unsharded]", "[unsharded, unsharded]")),
+    # feature-sharded over model, cut on its rows over batch by FSDP
+    ("batch=4,model=2", None, ("[batch, model]", "[unsharded, model]")),
+    # row-sharded over model, cut on its features over batch: looked up block by block
+    ("batch=4,model=2", "model", ("[model, batch]", "[model, unsharded]")),
+    # row-sharded over batch: FSDP has no dim left to cut
+    pytest.param("batch=8", "batch", ("[batch, unsharded]", None), marks=pytest.mark.slow)])
+def test_fsdp_matches_one_device_on_every_table_path(tmp_path, monkeypatch, spec, table, embed):
+    """FSDP meets every path the LM's rules take: tables sharded on rows or features, kernels
+    gathered and kernels whose layer gathers its activations instead, weights FSDP cannot cut
+    (kept replicated). One device's losses over 10 steps (1e-5)."""
+    from dtk.parallel import fsdp  # pylint: disable=import-outside-toplevel
+    plan_of, chosen = fsdp._activation_plan, set()  # pylint: disable=protected-access
+
+    def recorded(layer, inputs):
+        result = plan_of(layer, inputs)
+        if result is not None:
+            chosen.add(layer.name)
+        return result
+
+    monkeypatch.setattr(fsdp, "_activation_plan", recorded)
+    path = "transformer_lm"
+    if table:
+        path = tmp_path / "rows.toml"
+        path.write_text(_rows_table(table))
+    mesh = dtk.build_mesh(spec)
+    model, plan = layouts.build_model(WIDE, mesh, str(path), seed=7, fsdp=True)
+    weights = {w.path: w for w in plan.weights}
+    stored, computed = embed
+    assert weights["embed.embeddings"].spec() == stored
+    compute_dims = weights["embed.embeddings"].compute_dims
+    assert (compute_dims and "[" + ", ".join(d or "unsharded" for d in compute_dims) + "]") \
+        == computed
+    assert weights["block0_ff1.kernel"].compute_dims is not None
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
+                      optimizer=_optimizer("adam", mesh), mesh=mesh)
+    x, y = _data()
+    losses = [float(steps.train(input_lib.pack(
+        mesh, (x[i, :, :4], y[i, :, :4], np.ones(B, np.float32))))) for i in range(N)]
+    np.testing.assert_allclose(losses, _wide_reference(), rtol=1e-5)
+    # both of FSDP's paths ran on batch=8: the MLP gathered its activations, attention its
+    # kernels (on model meshes, kernels the table shards over model are gathered)
+    if "model" in spec:
+        assert not chosen
+    else:
+        assert {"block0_ff1", "block0_ff2"} <= chosen and not chosen & {"query", "key", "value"}
+    embeddings = model.get_layer("embed").embeddings
+    assert dtensor.fetch_layout(embeddings).sharding_specs == \
+        [d.strip() for d in stored[1:-1].split(",")]
 
 
 def test_memory_budget_shows_the_arithmetic():
@@ -262,3 +331,32 @@ def test_train_lm_seq_len_longer_than_the_text_names_the_flag(tmp_path):
     assert len(errors) == 1 and "--seq_len 100000 needs windows of 100001 bytes" in errors[0], \
         res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_train_lm_fsdp_at_width_trains_like_one_device(tmp_path):
+    """Issue 57: ``train_lm.py --fsdp`` at a width where FSDP gathers the MLP's activations (dim
+    256, 128 tokens a step) failed at its first step on batch=8 (its table, cut on its rows by
+    FSDP, was looked up block by block). It trains like batch=1 (1e-5) in one process, and on 2
+    clients x 4 with the table row-sharded over model (looked up block by block, stored cut over
+    batch across the clients), with dropout."""
+    width = ("--dim", "256", "--seq_len", "8", "--heads", "8")
+    rows = tmp_path / "rows.toml"
+    rows.write_text(_rows_table("model"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        one_run = pool.submit(_train_lm, tmp_path, "one", "--mesh", "batch=1", *width)
+        fsdp = _train_lm(tmp_path, "fsdp", "--mesh", "batch=8", "--fsdp", *width)
+        one = one_run.result()
+    np.testing.assert_allclose(fsdp["train_loss"], one["train_loss"], rtol=1e-5)
+    summary = tmp_path / "two.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
+         "--devices_per_client", "4", "--", sys.executable,
+         str(procs.REPO / "scripts" / "train_lm.py"), "--steps", "12", "--eval_every", "6",
+         "--eval_batches", "1", "--sample_bytes", "0", "--layers", "1",
+         "--global_batch_size", "16", "--dropout", "0.1", "--summary_json", str(summary),
+         "--mesh", "batch=4,model=2", "--fsdp", "--layout", str(rows), *width],
+        capture_output=True, text=True, timeout=400, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    two = json.loads(summary.read_text())
+    np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-5)

@@ -549,30 +549,25 @@ def _plan_model(table: LayoutTable, mesh: dtensor.Mesh, model: tf_keras.Model, *
 
 
 def _check_gathered_tables(model: tf_keras.Model, plan: LayoutPlan) -> None:
-    """Embedding tables sharded on dim 0 (rows) are looked up by ``op_support.row_sharded_lookup``;
-    refuses, before any variable exists, the cases it does not cover.
+    """Embedding tables sharded on dim 0 (rows) are looked up by ``op_support.row_sharded_lookup``
+    (under FSDP too: the lookup reads the table gathered to its table layout); refuses, before
+    any variable exists, the case it does not cover.
 
     Raises:
-      ValueError: a row-sharded table under FSDP's gathering, or with ``sparse=True`` outputs.
+      ValueError: a row-sharded table with ``sparse=True`` outputs.
     """
     layers = {id(layer.embeddings): layer for layer in model._flatten_layers()  # pylint: disable=protected-access
               if isinstance(layer, tf_keras.layers.Embedding) and hasattr(layer, "embeddings")}
     by_path = {path: layers[id(v)] for path, v in weight_paths(model) if id(v) in layers}
     for weight in plan.weights:
         layer = by_path.get(weight.path)
-        if layer is None or not weight.dims or not weight.dims[0]:
+        dims = weight.compute_dims if weight.compute_dims is not None else weight.dims
+        if layer is None or not dims or not dims[0]:
             continue
-        if weight.compute_dims is not None and weight.compute_dims[0]:
-            raise ValueError(
-                f"weight {weight.path} {list(weight.shape)} is an Embedding table sharded on dim 0 "
-                f"(rows) on axis {weight.compute_dims[0]!r} (rule {weight.rule.pattern!r}) and "
-                "gathered by FSDP; dtk looks such a table up block by block, which FSDP's "
-                "gathering does not do. Drop fsdp for this model, or shard the table on dim 1 "
-                f"(the features): dims = [\"unsharded\", \"{weight.compute_dims[0]}\"]")
         if layer.sparse:
             raise ValueError(
                 f"Embedding {layer.name!r} has sparse=True and its table {weight.path} "
-                f"{list(weight.shape)} is sharded on dim 0 (rows) on axis {weight.dims[0]!r}: dtk "
+                f"{list(weight.shape)} is sharded on dim 0 (rows) on axis {dims[0]!r}: dtk "
                 "looks such a table up as a dense tensor. Build the layer with sparse=False")
 
 

@@ -647,10 +647,16 @@ def row_sharded_table(layer: tf_keras.layers.Embedding) -> dtensor.Layout | None
                                                                               None))
     if table is None:
         return None
-    try:
-        layout = dtensor.fetch_layout(table)
-    except (ValueError, TypeError, tf.errors.OpError):  # not a DTensor (a plain build)
-        return None
+    # An FSDP weight is stored sharded over the batch axis but computed with its table's layout
+    # (dtk.parallel.fsdp): a table FSDP alone cuts on its rows is gathered whole, not looked up
+    # block by block (which would replicate the lookup's ids, and with them every activation
+    # after it, over the batch axis).
+    layout = getattr(table, "_dtk_compute_layout", None)
+    if layout is None:
+        try:
+            layout = dtensor.fetch_layout(table)
+        except (ValueError, TypeError, tf.errors.OpError):  # not a DTensor (a plain build)
+            return None
     return layout if layout.sharding_specs[0] != dtensor.UNSHARDED else None
 
 
@@ -705,8 +711,17 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
     # Pinned to the ids' layout: a later relayout (the sequence sharded over the rows' axis,
     # dtk.parallel.sequence) must not propagate into the gather's gradient (DTensor: "TransposeOp
     # SPMD needs communication is not supported").
-    return dtensor.relayout(tf.reduce_sum(gathered * owned[..., None], axis=0),
-                            dtensor.Layout([*ids_specs, unsharded], mesh))
+    out = dtensor.relayout(tf.reduce_sum(gathered * owned[..., None], axis=0),
+                           dtensor.Layout([*ids_specs, unsharded], mesh))
+    if ids_axis != batch_axis and batch_axis in mesh.dim_names and batch_axis != cols_axis:
+        # The rows are sharded over the batch axis, so every device looked up every id: hand on
+        # each device's own rows (a slice, no communication), batch-sharded as every other
+        # activation is. Left replicated, layers that pin their outputs batch-sharded (FSDP's
+        # gathered activations) meet replicated tensors, and DTensor fails on the mix
+        # ("EmitAllScatter was passed a desired_layout ... not more sharded").
+        out = dtensor.relayout(out, dtensor.Layout(
+            [batch_axis] + [unsharded] * (ids.shape.rank - 1) + [unsharded], mesh))
+    return out
 
 
 def _row_sharded_embedding_call(self, inputs):
