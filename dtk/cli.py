@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtk import _env
+from dtk.usage import ArgumentParser, parse_flags, run_app  # noqa: F401  (the scripts' entry)
 
 
 class UsageError(ValueError):
@@ -248,7 +249,7 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
             import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
         except ImportError:
             raise UsageError(f"--plot {values('plot')}: drawing the plan needs matplotlib: pip "
-                             "install 'dtk[bench]'") from None
+                             "install 'dtk-dtensor[bench]'") from None
     virtual = values("virtual_devices")
     if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:
         virtual = DEFAULT_CPU_DEVICES
@@ -483,4 +484,5 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
     from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top,redefined-outer-name
     cluster.exit_process(status)  # does not return: the group leaves within a second
     return status  # for readers: exit_process ends the process with this status
+
 

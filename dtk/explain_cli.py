@@ -10,13 +10,14 @@ warnings, and a one-line summary. Bad input is one ``error:`` line and exit stat
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
+from dtk import usage
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dtk-explain", description=__doc__.split("\n\n")[0])
+    parser = usage.ArgumentParser(prog="dtk-explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp", help="a model of dtk.models.MODEL_SPECS")
     parser.add_argument("--mesh", default="batch=8", help="mesh spec, e.g. batch=4,model=2")
     parser.add_argument("--layout", default=None,

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from dtk import usage
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-5
 STEPS = 6
@@ -181,7 +183,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json_out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--skip_bench", action="store_true", help="parity and collectives only")
     parser.add_argument("--worker", nargs=3, default=None, help=argparse.SUPPRESS)

@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from dtk import usage
+
 WORKLOADS = {
     "mlp": {"hidden": (128,), "batch": 128, "steps": 60},
     "heavy": {"hidden": (1024, 1024), "batch": 1024, "steps": 8},
@@ -586,7 +588,7 @@ def _plot(rows: list[dict], path: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = usage.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="mlp,heavy", help="comma-separated: " + ", ".join(WORKLOADS))
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, from: {', '.join(VARIANTS)}")

@@ -14,11 +14,12 @@ sequences" (the backward pass's chaining, 2026-11-26).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
+
+from dtk import usage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,13 +68,14 @@ print("DTK_PROBE", json.dumps({"first_call": first, "held_after": held - before,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--block_sizes", default="128,32")
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
+    parser = usage.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block_sizes", default="128,32",
+                        help="key blocks of blockwise attention to measure, comma-separated")
+    parser.add_argument("--rows", type=int, default=8, help="batch rows")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--dim", type=int, default=16, help="per head")
-    parser.add_argument("--queries", type=int, default=512)
-    parser.add_argument("--keys", type=int, default=4096)
+    parser.add_argument("--queries", type=int, default=512, help="query positions")
+    parser.add_argument("--keys", type=int, default=4096, help="key positions")
     parser.add_argument("--skip", action="store_true",
                         help="causal skipping (needs --queries equal to --keys)")
     parser.add_argument("--json", action="store_true",

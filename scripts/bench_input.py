@@ -25,7 +25,9 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
+
+from dtk import usage
 
 _MESH = flags.DEFINE_string("mesh", "batch=8", "Mesh spec.")
 _BATCH = flags.DEFINE_integer("global_batch_size", 128, "Global batch size.")
@@ -217,4 +219,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    usage.run_app(main)

@@ -33,13 +33,14 @@ Variants (``--variants``, comma-separated):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+from dtk import usage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
@@ -192,19 +193,24 @@ def table(rows: list[dict], baseline: dict | None) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--global_batch_size", type=int, default=8)
+    parser = usage.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=2048, help="LM model width")
+    parser.add_argument("--layers", type=int, default=4, help="LM transformer blocks")
+    parser.add_argument("--seq_len", type=int, default=32, help="LM bytes per window")
+    parser.add_argument("--heads", type=int, default=8, help="LM attention heads")
+    parser.add_argument("--global_batch_size", type=int, default=8,
+                        help="windows (or recsys examples) per step, all clients together")
     parser.add_argument("--block_size", type=int, default=None,
                         help="keys per block of blockwise attention (train_lm.py's --block_size; "
                              "default: its default)")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--num_clients", type=int, default=4)
-    parser.add_argument("--devices_per_client", type=int, default=2)
-    parser.add_argument("--baseline_dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2, help="training steps per variant")
+    parser.add_argument("--num_clients", type=int, default=4,
+                        help="client processes per run (python -m dtk.cluster.launch)")
+    parser.add_argument("--devices_per_client", type=int, default=2,
+                        help="virtual CPUs per client")
+    parser.add_argument("--baseline_dim", type=int, default=128,
+                        help="the baseline row's --dim (the fixed cost a variant's peak is "
+                        "measured over)")
     parser.add_argument("--baseline_variant", default="tp", help="the baseline's variant (its "
                         "mesh must suit --heads: tp needs heads divisible by 8)")
     parser.add_argument("--baseline_seq_len", type=int, help="the baseline's --seq_len "

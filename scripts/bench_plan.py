@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from dtk import usage
+
 
 def _lm_factory(models, dim: int, seq_len: int, layers: int):
     return lambda: models.transformer_lm(vocab=256, seq_len=seq_len, dim=dim, heads=8,
@@ -187,15 +189,15 @@ def run_unfit(name: str, *, rounds: int) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = usage.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dims", default="64,128,256", help="LM model dims, comma-separated")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2, help="LM transformer blocks")
+    parser.add_argument("--seq_len", type=int, default=64, help="LM bytes per window")
     parser.add_argument("--batch", type=int, default=32, help="global batch size")
     parser.add_argument("--rounds", type=int, default=7, help="timed calls per candidate")
     parser.add_argument("--refresh", action="store_true", help="calibrate again, ignoring the cache")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--json_out", default=None)
+    parser.add_argument("--json_out", default=None, help="also write the rows as JSON here")
     parser.add_argument("--unfit", default="", help=(
         "models that cannot be replicated, planned under a budget batch=D cannot meet and "
         f"every feasible candidate timed: comma-separated, of {', '.join(UNFIT)} (issue 42)"))

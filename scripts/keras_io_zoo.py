@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from dtk import usage
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -107,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    usage.run_app(lambda argv: sys.exit(main(argv)))

@@ -5,6 +5,8 @@ Example: python scripts/show_mesh.py --mesh batch=4,model=2 --device cpu --virtu
 
 from absl import app, flags
 
+from dtk import usage
+
 import dtk
 
 _MESH = flags.DEFINE_string("mesh", "batch=8", "Mesh spec: axis=size pairs, e.g. batch=4,model=2.")
@@ -24,4 +26,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    usage.run_app(main)

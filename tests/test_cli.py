@@ -182,7 +182,7 @@ def test_launched_clients_start_quietly(monkeypatch):
 
 def test_ray_workers_start_quietly_with_one_line(monkeypatch, capsys):
     dtk_ray = pytest.importorskip(
-        "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
+        "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk-dtensor[ray]'")
     import logging  # pylint: disable=g-import-not-at-top
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     envs = dtk_ray.worker_envs(
@@ -292,3 +292,128 @@ def test_accelerator_check_meshes():
     assert module._meshes(1) == ["batch=1"]  # pylint: disable=protected-access
     assert module._meshes(2) == ["batch=1", "batch=2", "batch=1,model=2"]  # pylint: disable=protected-access
     assert module._meshes(8) == ["batch=1", "batch=8", "batch=4,model=2"]  # pylint: disable=protected-access
+
+
+# -- every command's command line (issue 57) ------------------------------------------------------
+_BIN = os.path.dirname(sys.executable)
+COMMANDS = [
+    *[[sys.executable, os.path.join("scripts", name)]
+      for name in sorted(os.listdir(os.path.join(procs.REPO, "scripts"))) if name.endswith(".py")],
+    *[[os.path.join(_BIN, tool)] for tool in ("dtk-train-mnist", "dtk-train-lm",
+                                             "dtk-train-recsys", "dtk-tune-mnist",
+                                             "dtk-explain")],
+    [sys.executable, "-m", "dtk.cluster.launch"], [os.path.join(_BIN, "dtk-launch")],
+]
+ABSL = {"bench_checkpoint.py", "bench_input.py", "keras_io_zoo.py", "show_mesh.py", "zoo.py",
+        "train_lm.py", "train_mnist.py", "train_recsys.py", "tune_mnist.py", "dtk-train-mnist",
+        "dtk-train-lm", "dtk-train-recsys", "dtk-tune-mnist"}
+
+
+def _name(command):
+    return os.path.basename(command[-1])
+
+
+def _run(command, *args):
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120,
+                          cwd=procs.REPO, env=procs.base_env())
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=_name)
+def test_every_command_refuses_an_unknown_flag_in_one_line(command):
+    """A misspelled flag: one ``error:`` line naming it and the closest flag names, exit 2,
+    before anything runs (absl's parser said ``FATAL Flags parsing error``, exit 1)."""
+    required = ["--num_clients", "2"] if "launch" in _name(command) else []
+    res = _run(command, *required, "--bogus_flag")
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-2000:]
+    assert "--bogus_flag" in lines[0] and "Traceback" not in res.stderr
+    if _name(command) in ("train_mnist.py", "dtk-train-mnist"):
+        res = _run(command, "--epochz", "2")
+        assert res.returncode == 2 and res.stderr.startswith(
+            "error: unknown flag --epochz (did you mean --epochs?)"), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=_name)
+def test_every_command_helps_and_exits_0(command):
+    for flag in ("--help", "--helpfull") if _name(command) in ABSL else ("--help",):
+        res = _run(command, flag)
+        assert res.returncode == 0, (flag, res.stderr[-2000:])
+        assert "--" in res.stdout and res.stderr.strip() == "", (flag, res.stderr[-2000:])
+
+
+def test_every_flag_of_every_command_has_a_help_line():
+    """No flag without a description (absl shows "(no help available)"; argparse a bare name)."""
+    missing = {}
+    for command in COMMANDS:
+        text = _run(command, "--helpfull" if _name(command) in ABSL else "--help").stdout
+        if _name(command) in ABSL:
+            lines = text.splitlines()
+            bad = [line.strip() for i, line in enumerate(lines)
+                   if line.lstrip().startswith("--") and (
+                       "(no help available)" in line or line.rstrip().endswith(":") and (
+                           i + 1 >= len(lines) or not lines[i + 1].startswith("    ")))]
+        else:
+            options = [line for line in text.split("options:", 1)[-1].splitlines()]
+            bad = [line.strip() for i, line in enumerate(options)
+                   if line.startswith("  --") and len(line.split()) <= 2
+                   and (i + 1 >= len(options) or not options[i + 1].startswith(" " * 8))]
+        if bad:
+            missing[_name(command)] = bad
+    assert not missing, missing
+
+
+# The module paths of dtk 0.2 (before dtk/ had folders), documented or used then: each imports,
+# with a DeprecationWarning naming the new path, as the module it became.
+OLD_PATHS = [
+    ("dtk.launch", "dtk.cluster.launch", "main"), ("dtk.ray", "dtk.cluster.ray", "DTensorTrainer"),
+    ("dtk.layouts", "dtk.parallel.layouts", "explain"), ("dtk.input", "dtk.data.input", "pack"),
+    ("dtk.planner", "dtk.planning.planner", "plan"),
+    ("dtk.mnist", "dtk.data.mnist", "read_mnist_idx"), ("dtk.text", "dtk.data.text", "windows"),
+    ("dtk.mesh", "dtk.parallel.mesh", "build_mesh"), ("dtk.fsdp", "dtk.parallel.fsdp", "schedule"),
+    ("dtk.materialize", "dtk.parallel.materialize", "write_drawn"),
+    ("dtk.op_support", "dtk.parallel.ops", "row_sharded_lookup"),
+    ("dtk.randomness", "dtk.parallel.randomness", "adapt_layers"),
+    ("dtk.remat", "dtk.parallel.remat", "__name__"),
+    ("dtk.checkpoint", "dtk.train.checkpoint", "Checkpointer"),
+    ("dtk.optimizers", "dtk.train.optimizers", "make_optimizer"),
+    ("dtk.resume", "dtk.train.resume", "__name__"), ("dtk.steps", "dtk.train.steps", "Steps"),
+    ("dtk.trainer", "dtk.train.trainer", "Trainer"),
+]
+
+
+def test_old_module_paths_import_with_a_deprecation_warning():
+    """Every old path is listed (dtk._moved.MOVED), and each works."""
+    from dtk import _moved  # pylint: disable=import-outside-toplevel
+    assert sorted(old for old, _, _ in OLD_PATHS) == sorted(_moved.MOVED)
+    code = ("import importlib, sys, warnings, json\n"
+            "warnings.simplefilter('always')\nout = []\n"
+            f"for old, new, name in {OLD_PATHS!r}:\n"
+            "    with warnings.catch_warnings(record=True) as caught:\n"
+            "        warnings.simplefilter('always')\n"
+            "        module = importlib.import_module(old)\n"
+            "    out.append([old, module.__name__, hasattr(module, name),\n"
+            "                [str(w.message) for w in caught if w.category is DeprecationWarning]])\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import dtk.cluster\n"
+            "    f = dtk.cluster.is_lead_client\n"
+            "out.append(['dtk.cluster.is_lead_client', f.__module__, True,\n"
+            "            [str(w.message) for w in caught]])\n"
+            "print('OUT', json.dumps(out))\n")
+    res = procs.run_python(code, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.split("OUT", 1)[1])
+    want = {old: new for old, new, _ in OLD_PATHS}
+    want["dtk.cluster.is_lead_client"] = "dtk.cluster.env"
+    for old, module, found, warned in out:
+        assert module == want[old] and found, (old, module)
+        assert len(warned) == 1 and f"{old} moved to {want[old]}" in warned[0], (old, warned)
+
+
+def test_python_m_dtk_launch_still_runs_and_names_the_new_path():
+    res = subprocess.run([sys.executable, "-m", "dtk.launch", "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "python -m dtk.cluster.launch" in res.stdout
+    assert "python -m dtk.launch moved to python -m dtk.cluster.launch" in res.stderr

@@ -154,11 +154,11 @@ RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in on
 ]
 
 _RUNNER = textwrap.dedent("""
-    import json, runpy, sys, traceback
+    import importlib, json, sys, traceback
     import dtk
     dtk.configure_virtual_cpus(8)
     script, cases = sys.argv[1], json.loads(sys.argv[2])
-    module = runpy.run_path(f"scripts/{script}.py", run_name="checks")
+    module = vars(importlib.import_module(f"dtk.apps.{script}"))
     FLAGS = module["FLAGS"]
     out = []
     for argv in cases:

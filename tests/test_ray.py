@@ -10,9 +10,9 @@ import pytest
 
 from tests import procs
 
-ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk[ray]'")
+ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk-dtensor[ray]'")
 dtk_ray = pytest.importorskip(
-    "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk[ray]'")
+    "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk-dtensor[ray]'")
 
 # One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""

@@ -43,7 +43,6 @@ The launcher itself never imports TensorFlow.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -60,6 +59,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dtk import _env
+from dtk import usage
 from dtk.cluster import env as cluster
 
 _GRACE_S = 3.0      # SIGTERM -> SIGKILL
@@ -450,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in argv:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(prog="python -m dtk.cluster.launch", description=__doc__.split("\n\n")[0])
+    parser = usage.ArgumentParser(prog="python -m dtk.cluster.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_clients", type=int, required=True, help="client processes")
     parser.add_argument("--devices_per_client", type=int, default=None,
                         help="CPU: virtual devices per client (default: what the mesh needs)")

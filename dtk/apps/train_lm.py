@@ -1,0 +1,298 @@
+"""Train a byte-level transformer language model with data x model parallelism, on any machine.
+
+    python scripts/train_lm.py --mesh batch=2,model=4            # Python's stdlib source, no download
+    python scripts/train_lm.py --mesh batch=8 --text_file book.txt --steps 2000
+
+The corpus is the Python standard library's own ``.py`` files (split into training and held-out
+text by file) or ``--text_file``. Prints the mesh, the layout summary with weights and optimizer
+state per device, a progress bar, the held-out loss in bits per byte every ``--eval_every`` steps
+next to the corpus's byte-unigram entropy, and at the end a sample generated from ``--prompt``
+on the laid-out model. ``--summary_json`` writes ``train_loss`` (one entry per evaluation
+interval), ``heldout_bits_per_byte``, ``unigram_bits_per_byte`` and the rest. Re-running with the
+same ``--checkpoint_dir`` resumes. Errors are one ``error:`` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from absl import flags
+
+from dtk import cli
+from dtk.cli import UsageError
+
+_START = time.perf_counter()
+FLAGS = flags.FLAGS
+cli.define_flags((*cli.TRAINING_FLAGS, "global_batch_size"), mesh="batch=2,model=4",
+                 layout="transformer_lm", learning_rate=3e-3, global_batch_size=32)
+flags.DEFINE_integer("seq_len", 128, "Bytes per training window.")
+flags.DEFINE_integer("dim", 128, "Model width.")
+flags.DEFINE_integer("heads", 8, "Attention heads (a multiple of the model axis).")
+flags.DEFINE_integer("layers", 2, "Transformer blocks.")
+flags.DEFINE_integer("steps", 600, "Training steps in all.")
+flags.DEFINE_integer("eval_every", 100, "Evaluate the held-out loss every this many steps.")
+flags.DEFINE_integer("eval_batches", 20, "Held-out batches per evaluation.")
+flags.DEFINE_float("dropout", 0.0, "Dropout rate (the same masks on every mesh: dtk.parallel.randomness).")
+flags.DEFINE_enum("attention", "mha", ["mha", "blockwise"], "Attention: tf_keras "
+                  "MultiHeadAttention (scores [rows, heads, T, T]) or blockwise (memory linear in T; "
+                  "no attention dropout).")
+flags.DEFINE_enum("sequence_attention", None, ["auto", "all_gather", "all_to_all"],
+                  "On a mesh with a seq axis: attention gathers keys and values (all_gather), "
+                  "re-shards to heads (all_to_all, Ulysses), or auto (the faster on the mesh, "
+                  "timed); default: the layout table's (transformer_lm: auto).")
+flags.DEFINE_integer("block_size", None, "Keys per block of blockwise attention (divides "
+                     "--seq_len); default 256, or the largest divisor of --seq_len below it.")
+flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
+flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
+flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
+flags.DEFINE_float("temperature", 0.7, "Sampling temperature: > 0 samples, 0 is greedy (which "
+                   "repeats itself on a small model).")
+
+
+
+
+def _check_flags():
+    for name in ("seq_len", "dim", "heads", "layers", "global_batch_size", "steps", "eval_every",
+                 "eval_batches"):
+        if getattr(FLAGS, name) < 1:
+            raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    if FLAGS.attention == "blockwise" and FLAGS.block_size is not None and (
+            FLAGS.block_size < 1 or FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
+        raise UsageError(f"--block_size {FLAGS.block_size} does not divide --seq_len "
+                         f"{FLAGS.seq_len}; use a divisor of it (e.g. 256 for 4096), or leave "
+                         "it unset for the default")
+    if FLAGS.dim % FLAGS.heads:
+        raise UsageError(f"--dim {FLAGS.dim} is not divisible by --heads {FLAGS.heads}")
+    if FLAGS.sample_bytes < 0:
+        raise UsageError(f"--sample_bytes must be >= 0 (0: no sample); got {FLAGS.sample_bytes}")
+    if not 0 <= FLAGS.temperature < float("inf"):
+        raise UsageError(f"--temperature must be >= 0 (0: greedy); got {FLAGS.temperature}")
+    if not 0 <= FLAGS.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1); got {FLAGS.dropout}")
+    if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
+        raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
+    cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
+    if FLAGS.sample_bytes and not FLAGS.prompt:
+        raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
+    if FLAGS.sample_bytes and len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
+        raise UsageError(f"--prompt is {len(FLAGS.prompt.encode())} bytes; keep it shorter than "
+                    f"--seq_len {FLAGS.seq_len}")
+
+
+def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature: float,
+             seed: int) -> bytes:
+    """Continues ``prompt`` by ``n`` bytes with the laid-out model (one compiled forward per byte).
+
+    The window holds the last ``seq_len`` bytes, padded on the right; thanks to the causal mask
+    the padding does not change the logits at the last real position, which are read.
+    """
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(seed)
+    rows = mesh.dim_size("batch")
+    out = bytearray(prompt)
+    for _ in range(n):
+        context = out[-seq_len:]
+        window = np.zeros((rows, seq_len), np.int32)
+        window[:, :len(context)] = np.frombuffer(bytes(context), np.uint8)
+        logits = dtk.global_value(trainer.steps.predict(input_lib.pack(mesh, window)))
+        last = logits[0, len(context) - 1].astype(np.float64)
+        if temperature <= 0:
+            token = int(np.argmax(last))
+        else:
+            p = np.exp((last - last.max()) / temperature)
+            token = int(rng.choice(len(p), p=p / p.sum()))
+        out.append(token)
+    return bytes(out)
+
+
+def _setup():
+    """Every check before training: flags, the mesh, the table, the plan and the memory budget.
+    Returns (spec, mesh, table, factory, plan, memory, the planner's plan under --mesh auto or
+    --explain_plan, else None); raises UsageError/ValueError."""
+    import functools  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    _check_flags()
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, sequence  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
+
+    factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
+                                dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
+                                dropout=FLAGS.dropout, attention=FLAGS.attention,
+                                block_size=FLAGS.block_size)
+    auto_plan = None
+    if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
+        try:
+            table = layouts.load_table(FLAGS.layout)
+        except ValueError as e:
+            raise UsageError(f"--layout: {e}") from None
+        cli.check_explain_plan(FLAGS)
+        auto_plan = cli.plan_from_flags(
+            lambda name: getattr(FLAGS, name, None), factory, input_shape=(FLAGS.seq_len,),
+            input_dtype="int32", num_classes=text.VOCAB, table=table,
+            remat_patterns=models.MODEL_SPECS["lm"].remat, optimizer="adamw",
+            global_batch_size=FLAGS.global_batch_size)
+        if FLAGS.explain_plan:
+            return None, None, table, factory, None, None, auto_plan
+        cli.apply_plan(FLAGS, auto_plan)
+    spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
+    if FLAGS.sequence_attention:
+        table = dataclasses.replace(table, sequence_attention=FLAGS.sequence_attention)
+    try:
+        sequence.check_mesh(mesh, sequence_axis=table.sequence_axis,
+                            sequence_parallel_axis=table.sequence_parallel_axis,
+                            seq_len=FLAGS.seq_len, heads=FLAGS.heads,
+                            attention=table.sequence_attention, fsdp=FLAGS.fsdp,
+                            names={"seq_len": "--seq_len", "heads": "--heads",
+                                   "fsdp": "--fsdp"})
+    except ValueError as e:
+        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
+    if FLAGS.mixed_precision:
+        tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
+                                fsdp=FLAGS.fsdp)
+    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    shard = FLAGS.shard_optimizer_state
+    if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
+        shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
+    memory = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=shard)
+    if FLAGS.device_memory_gb:
+        layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
+                                    shard_optimizer_state=shard)
+    return spec, mesh, table, factory, plan, memory, auto_plan
+
+
+def run() -> dict:
+    import dtk  # pylint: disable=g-import-not-at-top
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, sequence  # pylint: disable=g-import-not-at-top
+    from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
+    spec, mesh, table, factory, plan, memory, auto_plan = _setup()
+    lead = dtk.cluster.env.is_lead_client()
+    say = print if lead else (lambda *a, **k: None)
+    if FLAGS.explain_plan:
+        say(auto_plan.explain(), flush=True)
+        return {}
+    if auto_plan is not None:
+        say(auto_plan.explain().splitlines()[-1], flush=True)
+    say(dtk.describe_mesh(mesh), flush=True)
+    if FLAGS.explain_layouts:
+        print(layouts.explain(plan))
+        return {}
+
+    corpus = text.load_corpus(FLAGS.text_file)
+    shortest = min(len(corpus.train), len(corpus.heldout))
+    if FLAGS.seq_len + 2 > shortest:
+        raise cli.UsageError(
+            f"--seq_len {FLAGS.seq_len} needs windows of {FLAGS.seq_len + 1} bytes, but the text "
+            f"has {len(corpus.train):,} training and {len(corpus.heldout):,} held-out bytes; use "
+            f"--seq_len {max(shortest - 2, 1)} or less, or a longer text")
+    unigram = text.unigram_bits_per_byte(corpus.train)
+    say(f"text: {corpus.source}, {len(corpus.train):,} training and {len(corpus.heldout):,} "
+        f"held-out bytes; byte-unigram entropy {unigram:.3f} bits/byte", flush=True)
+    # token ids sharded along the sequence too, where the mesh has the table's sequence axis
+    seq_axis = table.sequence_axis if table.sequence_axis in mesh.dim_names else None
+    train = input_lib.DistributedDataset(
+        text.windows(corpus.train, seq_len=FLAGS.seq_len).repeat(), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, shuffle=True,
+                              seed=FLAGS.seed, steps_per_epoch=FLAGS.eval_every))
+    heldout = input_lib.DistributedDataset(
+        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, remainder="pad",
+                              steps_per_epoch=None))
+    heldout_batches = min(FLAGS.eval_batches, heldout.num_batches)
+    heldout = input_lib.DistributedDataset(
+        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
+                              remainder="drop" if heldout_batches < heldout.num_batches else "pad",
+                              steps_per_epoch=heldout_batches))
+    optimizer = dtk.make_optimizer("adamw", mesh, learning_rate=FLAGS.learning_rate,
+                                   weight_decay=0.01, global_clipnorm=1.0)
+    trainer = dtk.Trainer(
+        mesh=mesh, model=factory, layout=table, optimizer=optimizer,
+        allow_replicated=FLAGS.allow_replicated,
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+        config=dtk.TrainerConfig(seed=FLAGS.seed, checkpoint_dir=FLAGS.checkpoint_dir,
+                                 tensorboard_dir=FLAGS.tensorboard_dir,
+                                 restart_from_scratch=FLAGS.restart_from_scratch,
+                                 allow_change=tuple(FLAGS.allow_change),
+                                 settings={"corpus": FLAGS.text_file or "stdlib"},
+                                 shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
+                                                        else FLAGS.shard_optimizer_state),
+                                 max_steps=FLAGS.steps, verbose=1 if lead else 0,
+                                 fsdp=FLAGS.fsdp, gradient_accumulation_steps=FLAGS.grad_accum,
+                                 async_checkpoints=FLAGS.async_checkpoints,
+                                 remat=models.MODEL_SPECS["lm"].remat_patterns(FLAGS.remat)))
+    say(layouts.explain(trainer.layout_plan).splitlines()[-1] +
+        f"; per device: weights {memory['weights'] / 2**20:.2f} MiB + AdamW state "
+        f"{memory['optimizer'] / 2**20:.2f} MiB", flush=True)
+
+    curve = []
+    tokens_per_epoch = FLAGS.eval_every * FLAGS.global_batch_size * FLAGS.seq_len
+    clock = {"t": time.perf_counter()}
+
+    def report(epoch, logs):
+        now = time.perf_counter()
+        bpb = text.bits_per_byte(logs["val_loss"])
+        curve.append({"step": trainer.global_step, "heldout_bits_per_byte": bpb})
+        say(f"step {trainer.global_step}: train loss {logs['loss']:.4f}, held-out "
+            f"{bpb:.3f} bits/byte (unigram {unigram:.3f}), "
+            f"{tokens_per_epoch / (now - clock['t']):,.0f} tokens/s", flush=True)
+        clock["t"] = now
+
+    epochs = -(-FLAGS.steps // FLAGS.eval_every)
+    history = trainer.fit(train, epochs=epochs, validation_data=heldout, on_epoch_end=[report])
+    final = trainer.evaluate(heldout)
+    heldout_bpb = text.bits_per_byte(final["loss"])
+    say(f"held-out: {heldout_bpb:.3f} bits/byte vs {unigram:.3f} for the byte unigram "
+        f"({final['examples']} windows)", flush=True)
+    sample = b""
+    if FLAGS.sample_bytes:
+        sample = generate(trainer, mesh, FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
+                          n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
+        say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
+    exported = trainer.export(FLAGS.export_dir) if FLAGS.export_dir else None
+    cli.keep_until_exit(train, heldout)  # no time spent tearing them down
+    return {
+        "export": exported,
+        "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(), "layout": FLAGS.layout,
+        "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
+        "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
+        "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,
+        "auto_plan": cli.plan_summary(auto_plan),
+        "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
+        "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
+        "train_loss": history.history.get("loss", []),
+        "heldout_curve": curve, "heldout_bits_per_byte": heldout_bpb,
+        "unigram_bits_per_byte": unigram,
+        "weights_bytes_per_device": memory["weights"],
+        "optimizer_bytes_per_device": memory["optimizer"],
+        "ms_per_step_median": trainer.timing.ms_per_step_median(skip_epoch=0),
+        "first_step_s": trainer.timing.first_step_s,
+        "sample": sample.decode("utf-8", errors="replace"),
+        "wall_s": time.perf_counter() - _START,
+    }
+
+
+def main(argv):
+    from dtk import cli  # pylint: disable=g-import-not-at-top
+    return cli.main(argv, run, verbose=FLAGS["verbosity"].present,
+                    summary_json=FLAGS.summary_json)
+
+
+
+def entry() -> None:
+    """``dtk-train-lm`` (a console script) and ``python scripts/train_lm.py``: parses the flags (an unknown
+    one is an ``error:`` line and exit status 2; ``--help`` exits 0) and runs ``main``."""
+    cli.run_app(main, module=None if __name__ == "__main__" else __name__)
+
+
+if __name__ == "__main__":
+    entry()

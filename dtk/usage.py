@@ -1,0 +1,84 @@
+"""The command line's conventions, for every dtk command (scripts, console scripts, launcher).
+
+An unknown or malformed option is one ``error:`` line that names it, with the closest option
+names, and exit status 2; ``--help`` (and absl's ``--helpfull``) print help and exit 0. absl's own
+parser prints ``FATAL Flags parsing error`` and exits 1, and argparse prints its usage before
+the error: neither is what README promises. Standard library only (the launcher loads no
+TensorFlow); absl is imported where its flags are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_HELP_FLAGS = {"--help": True, "-h": True, "-?": True, "--helpshort": True, "--helpfull": False}
+
+
+def closest(name: str, known: list[str]) -> str:
+    """`` (did you mean --x, --y?)`` for the known flag names nearest ``name``, or ``""``."""
+    import difflib  # pylint: disable=g-import-not-at-top
+    bare = name.lstrip("-").split("=", 1)[0]
+    candidates = {k.lstrip("-"): k for k in known}
+    if bare.startswith("no") and bare[2:] in candidates:  # absl's --noflag of a boolean
+        return ""
+    near = difflib.get_close_matches(bare, list(candidates), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join('--' + n for n in near)}?)" if near else ""
+
+
+def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
+    """Parses an absl script's command line with dtk's conventions; returns the arguments left.
+
+    ``--help``, ``-h`` and ``--helpshort`` print the script's own flags (``module``: the module
+    that defines them, when it is not the main module), ``--helpfull`` every flag; both exit 0.
+    An unknown or malformed flag is one ``error:`` line that names it, with the closest flag
+    names, and exit status 2 (absl's own parser prints ``FATAL Flags parsing error`` and exits 1).
+    """
+    from absl import app, flags  # pylint: disable=g-import-not-at-top
+    values = flags.FLAGS
+    options = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    asked = [a for a in options if a in _HELP_FLAGS]
+    if asked:
+        doc = (sys.modules.get(module) or sys.modules["__main__"]).__doc__ or ""
+        if _HELP_FLAGS[asked[0]]:
+            own = values.module_help(module) if module else values.main_module_help()
+            text = f"{doc.rstrip()}\n\nflags:\n{own}\n\n(--helpfull lists every flag)"
+        else:
+            text = f"{doc.rstrip()}\n\nflags:\n{values.get_help()}"
+        print(text.strip("\n"))
+        sys.exit(0)
+    try:
+        return values(argv)
+    except flags.UnrecognizedFlagError as e:
+        name = f"--{e.flagname}" if e.flagname else str(e)
+        known = [f"--{n}" for n in values]
+        print(f"error: unknown flag {name}{closest(name, known)}; see --help",
+              file=sys.stderr, flush=True)
+    except flags.Error as e:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        print(f"error: {lines[0] if lines else type(e).__name__}; see --help", file=sys.stderr,
+              flush=True)
+    del app
+    sys.exit(2)
+
+
+def run_app(main: Callable[[list[str]], Any], *, module: str | None = None) -> None:
+    """``absl.app.run(main)`` with ``parse_flags``'s conventions (the ``main`` of every script)."""
+    from absl import app  # pylint: disable=g-import-not-at-top
+    app.run(main, flags_parser=lambda argv: parse_flags(argv, module=module))
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` with dtk's conventions: a mistake is one ``error:`` line (an unknown option
+    with the closest option names) and exit status 2; ``--help`` exits 0 as usual."""
+
+    def error(self, message: str):  # type: ignore[override]
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            first = message.split(":", 1)[1].split()[0] if message.split(":", 1)[1].split() else ""
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            hint = closest(first, known)
+        print(f"error: {self.prog}: {message}{hint}; see --help", file=sys.stderr, flush=True)
+        sys.exit(2)
