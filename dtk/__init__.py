@@ -17,6 +17,7 @@ from dtk import _env
 from dtk._version import __version__
 
 _env.apply_safe_defaults()
+_env.apply_library_log_defaults()
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -24,7 +24,9 @@ the setting, 17.1 ms with it, 18.2 ms replicated; 784-1024-1024-10 at batch 1024
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import warnings
 
 COMBINE_ALL_REDUCES_ENV = "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION"
@@ -37,6 +39,43 @@ def apply_gpu_defaults() -> None:
     """GPU meshes: DTensor uses NCCL collectives only when asked (else its generic ones, slower on
     NVIDIA GPUs); dtk asks unless the user set the variable. Called before the GPU mesh exists."""
     os.environ.setdefault(GPU_NCCL_ENV, "1")
+
+
+# Whether the user chose TensorFlow's C++ log level (dtk then shows what that level shows).
+_USER_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
+
+
+def apply_library_log_defaults() -> None:
+    """dtk imported before TensorFlow, as a library: TensorFlow's C++ INFO lines hidden unless the
+    user set ``TF_CPP_MIN_LOG_LEVEL`` (DTensor writes two "cache key lookup missed" lines for
+    every function it compiles, ten in README's library example). Warnings and errors stay."""
+    if not _USER_LOG_LEVEL and "tensorflow" not in sys.modules:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
+@contextlib.contextmanager
+def quiet_stderr(when: bool = True, *, always: bool = False):
+    """Closes the process's stderr (the C++ one too) within it, unless ``when`` is false or the
+    user set ``TF_CPP_MIN_LOG_LEVEL`` (``always``: even then; a command-line tool that is not
+    ``--verbosity``). Python exceptions raised inside still propagate."""
+    if not when or (_USER_LOG_LEVEL and not always):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def no_nvidia_driver() -> bool:
+    """No NVIDIA kernel driver on this machine: TensorFlow's CUDA probe can only fail, and its
+    "failed call to cuInit: ... UNKNOWN ERROR (303)" line says nothing a user can act on."""
+    return not os.path.exists("/proc/driver/nvidia") and not os.path.exists("/dev/nvidiactl")
 
 
 def apply_safe_defaults() -> None:
@@ -288,19 +327,17 @@ def _check_plan_cache(path: str) -> None:
                 "unset it for the default ~/.cache/dtk/plan.json")
 
 
-def import_tensorflow_quietly() -> None:
-    """Imports TensorFlow with its load-time C++ lines hidden (command-line tools, not verbose).
+def import_tensorflow_quietly(*, always: bool = False) -> None:
+    """Imports TensorFlow with its load-time C++ lines hidden (command-line tools, not verbose,
+    and dtk's library packages when dtk was imported first), unless the user set
+    ``TF_CPP_MIN_LOG_LEVEL`` (``always``: even then, for the command-line tools).
 
-    TensorFlow writes a few lines while it loads (CUDA probes on a CPU-only machine) before its
-    log level applies, so ``TF_CPP_MIN_LOG_LEVEL`` alone does not hide them: stderr is closed for
-    the import. Errors of the import itself are still raised.
+    TensorFlow writes a few lines while it loads (oneDNN, CPU features, CUDA stubs) before its log
+    level applies, so ``TF_CPP_MIN_LOG_LEVEL`` alone does not hide them: stderr is closed for the
+    import. Errors of the import itself are still raised.
     """
+    if "tensorflow" in sys.modules:
+        return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    with quiet_stderr(always=always):
+        import tensorflow  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import

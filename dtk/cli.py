@@ -111,7 +111,8 @@ SHARED_FLAGS: dict[str, SharedFlag] = {
         "everything would train replicated).")),
     "global_batch_size": SharedFlag(kind="integer", default=128, help=(
         "Examples per step over the whole mesh (a multiple of the 'batch' axis).")),
-    "epochs": SharedFlag(kind="integer", default=3, help="Epochs to train (per trial in Tune)."),
+    "epochs": SharedFlag(kind="integer", default=3,
+                         help="Epochs to train: passes over the training data."),
     "dataset": SharedFlag(kind="enum", default="tfds", enum_values=("tfds", "idx", "sample"),
                           help=("MNIST source: tensorflow_datasets (falls back to the bundled "
                                 "sample when offline and no --data_dir), LeCun IDX files in "
@@ -403,15 +404,41 @@ def setup_output(*, verbose: bool) -> None:
         from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
         absl_logging.set_verbosity(absl_logging.ERROR)
         os.environ.update(_env.quiet_tensorflow_env())
-        _env.import_tensorflow_quietly()
+        _env.import_tensorflow_quietly(always=True)
     else:  # --verbosity: show what a launcher started quietly (dtk.cluster.launch, Ray) hid
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
     log = logging.getLogger("dtk")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_AdviceInFlags())
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+# The library's advice names the call that changes a setting; a script's user reads the flag that
+# does it (when the running script defines that flag).
+ADVICE_FLAGS = {
+    "StepConfig(sparse_tables=True)": "--sparse_tables",
+    "TrainerConfig(allow_change=...)": "--allow_change",
+    "TrainerConfig(restart_from_scratch=True)": "--restart_from_scratch",
+}
+
+
+def advice_in_flags(text: str) -> str:
+    """``text`` with each library call of ``ADVICE_FLAGS`` replaced by its flag, where the running
+    script defines it; a call named twice (``--x / Call(...)``) keeps the flag once."""
+    from absl import flags  # pylint: disable=g-import-not-at-top
+    for call, flag in ADVICE_FLAGS.items():
+        if call in text and flag.lstrip("-").removeprefix("no") in flags.FLAGS:
+            text = text.replace(f"{flag} / {call}", flag).replace(call, flag)
+    return text
+
+
+class _AdviceInFlags(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = advice_in_flags(record.getMessage()), None
+        return True
 
 
 def run_reporting_errors(run: Callable[[], Any]) -> tuple[int, Any]:
@@ -421,7 +448,8 @@ def run_reporting_errors(run: Callable[[], Any]) -> tuple[int, Any]:
         return 0, run()
     except (ValueError, TypeError) as e:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        print(f"error: {lines[0] if lines else type(e).__name__}", file=sys.stderr, flush=True)
+        line = advice_in_flags(lines[0]) if lines else type(e).__name__
+        print(f"error: {line}", file=sys.stderr, flush=True)
         return 2, None
     except Exception as e:  # pylint: disable=broad-except
         line = _lost_peer_line(e)

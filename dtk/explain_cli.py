@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="a rule matching nothing is an error")
     args = parser.parse_args(argv)
     from dtk import _env  # pylint: disable=g-import-not-at-top
-    _env.import_tensorflow_quietly()
+    _env.import_tensorflow_quietly(always=True)
     from dtk.parallel import layouts, mesh  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
     try:

@@ -15,7 +15,11 @@ import dataclasses
 import numbers
 from collections.abc import Callable
 
-import tf_keras
+from dtk import _env
+
+_env.import_tensorflow_quietly()  # before tf_keras loads it: its load-time C++ lines hidden
+
+import tf_keras  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 from dtk.parallel import sequence
 from dtk.parallel.attention import BlockwiseAttention

@@ -1,6 +1,6 @@
 """Train a DLRM-style recommender on a generated click log, its largest tables sharded on their rows.
 
-    python scripts/train_recsys.py              # batch=8: AUC within 0.01 of the best, 80 s on 2 cores
+    python scripts/train_recsys.py              # batch=8: AUC within 0.01 of the best, 87 s on 2 cores
     python scripts/train_recsys.py --mesh batch=4,model=2 --table_sizes 1048576,4096,256,16
 
 The data is ``dtk.data.clicks``: a click log generated from ``--data_seed`` one chunk at a time (ids

@@ -13,8 +13,9 @@ device, and on ``batch=4,model=2``: a run stopped halfway and resumed from its c
 uninterrupted one (weights bit-identical), and an export whose predictions match the trained model.
 
 Applications: ``tf_keras.applications`` with ``weights=None`` at 32x32x3 (their smallest input),
-MobileNetV2 at alpha 0.35; EfficientNetB0 without its dropout (random layers draw their numbers per
-device until dtk's counter-based randomness lands, so their losses differ between meshes).
+MobileNetV2 at alpha 0.35; EfficientNetB0 without its dropout: dtk's dropout draws the same masks on
+every mesh (``dtk.parallel.randomness``), but not plain ``model.fit``'s masks, which the zoo
+compares against.
 """
 
 from __future__ import annotations

@@ -500,11 +500,14 @@ class DistributedDataset:
         if stream.iterator is None or stream.position != start:
             if start:
                 # O(start): tf.data cannot jump to a reshuffle or to a random op's state, so the
-                # stream is read up to the position (stress runs: BUILD.md, "Stress runs").
-                _log.info("input: the stream starts at batch %d (epoch %d, batch %d): the %d "
-                          "batches before it are read again (not packed) so that the order and "
-                          "the pipeline's random draws are an uninterrupted run's; this takes "
-                          "about as long as reading them", start, epoch, skip_batches, start)
+                # stream is read up to the position (stress runs: BUILD.md, "Stress runs"). Said
+                # for a resume (a new stream starting mid-way); a stream moved back by a re-stack
+                # (Trainer's steps_per_execution="auto", whose prefetch read ahead) is routine.
+                log = _log.info if stream.iterator is None else _log.debug
+                log("input: the stream starts at batch %d (epoch %d, batch %d): the %d "
+                    "batches before it are read again (not packed) so that the order and the "
+                    "pipeline's random draws are an uninterrupted run's; this takes about as "
+                    "long as reading them", start, epoch, skip_batches, start)
             dataset = self._stream_dataset().skip(start).prefetch(tf.data.AUTOTUNE)
             stream.position, stream.iterator = start, iter(dataset.as_numpy_iterator())
         for _ in range(self.num_batches - skip_batches):

@@ -166,15 +166,16 @@ def load_mnist(split: str, *, source: str = "tfds", data_dir: str | None = None)
                 if not _SAMPLE_NOTICE:
                     _SAMPLE_NOTICE.append(True)
                     _log.warning(
-                    "MNIST is not prepared for tensorflow_datasets and the network is "
-                        "unreachable: using the sample bundled with dtk (%d training, %d test "
-                        "images; lower accuracy). For the full data run once with internet, or "
-                        "pass --dataset idx --data_dir DIR", SAMPLE_SIZES["train"],
-                        SAMPLE_SIZES["test"])
+                        "MNIST is not prepared for tensorflow_datasets and its download host "
+                        "(%s) is unreachable: using the sample bundled with dtk (%d training, "
+                        "%d test images; lower accuracy). For the full data run once with "
+                        "internet, or pass --dataset idx --data_dir DIR", _DOWNLOAD_HOST[0],
+                        SAMPLE_SIZES["train"], SAMPLE_SIZES["test"])
                 return load_mnist(split, source="sample")
             raise DataUnavailableError(
-                f"MNIST is not prepared in the TFDS data dir ({builder.data_dir}) and the network is "
-                "unreachable, so tensorflow_datasets cannot download it; use the offline IDX files: "
-                "source='idx' with data_dir=DIR (train_mnist.py: --dataset idx --data_dir DIR)")
+                f"MNIST is not prepared in the TFDS data dir ({builder.data_dir}) and its download "
+                f"host ({_DOWNLOAD_HOST[0]}) is unreachable, so tensorflow_datasets cannot download "
+                "it; use the offline IDX files: source='idx' with data_dir=DIR (train_mnist.py: "
+                "--dataset idx --data_dir DIR)")
         builder.download_and_prepare()
     return builder.as_dataset(split=split, as_supervised=True).map(_to_example)

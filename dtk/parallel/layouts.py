@@ -1160,8 +1160,6 @@ def explain(plan: LayoutPlan) -> str:
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     for warning in plan.warnings:
         lines.append(f"note: {warning}")
-    lines.append("note: Layer/BatchNormalization run unfused and random layers use the stateful "
-                 "generator (DTensor requirements)")
     total = sum(w.bytes_total for w in plan.weights)
     per_device = sum(w.bytes_per_device for w in plan.weights)
     sharded = sum(1 for w in plan.weights if any(w.dims))

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -196,9 +197,27 @@ def configure_virtual_cpus(n: int) -> None:
             "CPU device(s) and cannot change that in this process. Build the mesh (or call "
             "dtk.configure_virtual_cpus) before any TensorFlow op runs, e.g. at the top of your "
             "script, or start a new process")
-    cpu = tf.config.list_physical_devices("CPU")[0]
+    cpu = _physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def _physical_devices(kind: str) -> list:
+    """``tf.config.list_physical_devices(kind)``, its CUDA probe hidden (``_probing``)."""
+    with _probing():
+        return tf.config.list_physical_devices(kind)
+
+
+@contextlib.contextmanager
+def _probing():
+    """Around what may initialize TensorFlow's platforms: the first time, on a machine with no
+    NVIDIA driver (``dtk._env.no_nvidia_driver``), the CUDA probe's failure line is hidden."""
+    with _env.quiet_stderr(when=_env.no_nvidia_driver() and not _PROBED):
+        yield
+    _PROBED.append(True)
+
+
+_PROBED: list[bool] = []
 
 
 def resolve_device_type(device_type: str = "auto") -> str:
@@ -213,7 +232,7 @@ def resolve_device_type(device_type: str = "auto") -> str:
     kind = device_type.lower()
     if kind == "auto":
         for candidate in ("TPU", "GPU"):
-            if tf.config.list_physical_devices(candidate):
+            if _physical_devices(candidate):
                 return candidate
         return "CPU"
     return kind.upper()
@@ -242,10 +261,11 @@ def _initialize(device_type: str, local_needed: int, virtual_devices: int | None
             num_cpus = virtual_devices
         else:
             have = len(tf.config.get_logical_device_configuration(
-                tf.config.list_physical_devices("CPU")[0]) or [None])
+                _physical_devices("CPU")[0]) or [None])
             num_cpus = max(have, local_needed)
     if not is_multi_client():
-        dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
+        with _probing():
+            dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=num_cpus)
         return
     cluster.check_environment()  # a malformed DTENSOR_JOBS: one line, not TensorFlow's error
     try:
@@ -267,8 +287,8 @@ def _devices_per_client(kind: str, virtual_devices: int | None) -> int:
         return local_device_count(kind)
     if kind == "CPU":  # listing logical devices would initialize TensorFlow (too early here)
         return virtual_devices or len(tf.config.get_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0]) or [None])
-    return len(tf.config.list_physical_devices(kind))
+            _physical_devices("CPU")[0]) or [None])
+    return len(_physical_devices(kind))
 
 
 def _dtensor_initialized() -> bool:

@@ -626,13 +626,21 @@ def adapt_layers(model: tf_keras.Model, *, batch_axis: str = BATCH_AXIS) -> list
     return lines
 
 
+# A dense update of a row-sharded table is worth a warning from this many bytes a device: below it
+# (the recommender's default tables, 0.5 MiB and less a device) it costs less than a step's
+# other work, and the line is debug output.
+DENSE_UPDATE_WARN_BYTES = 1 << 20
+
+
 def warn_dense_table_update(layer: tf_keras.layers.Embedding, why: str) -> None:
     """Says what a dense update of a row-sharded table costs (``dtk.train.sparse`` avoids it)."""
     layout = layer._dtk_table_layout  # pylint: disable=protected-access
     rows, dim = layer.embeddings.shape
     shards = layout.mesh.dim_size(layout.sharding_specs[0])
-    block = rows // shards * dim * layer.embeddings.dtype.size / 2 ** 20
-    _log.warning(
+    block_bytes = rows // shards * dim * layer.embeddings.dtype.size
+    block = block_bytes / 2 ** 20
+    log = _log.warning if block_bytes >= DENSE_UPDATE_WARN_BYTES else _log.debug
+    log(
         "Embedding %r: its table [%d, %d] is sharded on its rows over axis %r (%d blocks); its "
         "gradient and optimizer update are dense (%s): every step reads and writes all %d rows "
         "of each device's block (%.1f MiB of weights, and the optimizer's slots as much again "

@@ -3,3 +3,7 @@ optimizers and metrics, checkpoints and resume.
 
 Builds on ``dtk.data`` (batch-sharded inputs) and ``dtk.parallel`` (mesh and layouts).
 """
+
+from dtk import _env
+
+_env.import_tensorflow_quietly()  # its load-time C++ lines hidden (a level the user set shows them)

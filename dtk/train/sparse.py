@@ -342,7 +342,7 @@ def choose(model: tf_keras.Model, optimizer, mode: bool, *, batch_axis: str,
       ValueError: ``mode=True`` with an optimizer, option or step that has no sparse update.
     """
     if not mode:
-        return None, "the default; StepConfig(sparse_tables=True) updates the touched rows only"
+        return None, "the default"
     if not sharded_tables_of(model):
         tables = [layer.name for layer in model._flatten_layers()  # pylint: disable=protected-access
                   if isinstance(layer, tf_keras.layers.Embedding)]

@@ -307,6 +307,7 @@ class Trainer:
         if (getattr(self.model, "_dtk_compiled", None) or {}).get("optimizer") is not None:
             self.model.optimizer = self.optimizer  # as after compile(): the one that trains it
         self.timing = Timing()
+        self._progbar, self._progbar_steps, self._epochs = None, 0, 0
         self.history = History()
         self._auto = None
         self._spe = 1 if config.steps_per_execution == "auto" else config.steps_per_execution
@@ -427,6 +428,7 @@ class Trainer:
                       "batch size does not divide the data)", dropped, train_data.num_examples)
         writer = self._summary_writer()
         self.timing = Timing()
+        self._epochs = epochs
         while epoch < epochs and not self._done():
             if skip == 0:
                 self.steps.reset_metrics()
@@ -457,10 +459,13 @@ class Trainer:
         return self.config.max_steps is not None and self.global_step >= self.config.max_steps
 
     def _run_epoch(self, data, epoch, skip, steps_per_epoch, on_step_end):
-        progbar = None
+        progbar = self._progbar = None
         if self.config.verbose == 1 and cluster.is_lead_client():
-            print(f"Epoch {epoch + 1}")
-            progbar = tf_keras.utils.Progbar(steps_per_epoch, stateful_metrics=self._metric_names())
+            print(f"Epoch {epoch + 1}/{self._epochs}")
+            # Finished by _log_epoch with the epoch's figures (validation's too): one line each.
+            progbar = self._progbar = tf_keras.utils.Progbar(
+                steps_per_epoch, stateful_metrics=[*self._metric_names(), "val_loss", "val_examples",
+                                                   *(f"val_{n}" for n in self._metric_names())])
         try:
             return self._epoch_loop(data, epoch, skip, steps_per_epoch, on_step_end, progbar)
         except tf.errors.OpError as e:
@@ -532,8 +537,7 @@ class Trainer:
                     progbar.update(done, list(results.items()))
         logs = self._results(epoch)
         self._close_window(window_steps, window_start, epoch)
-        if progbar is not None:
-            progbar.update(done, list(logs.items()), finalize=True)
+        self._progbar_steps = done
         return logs, self._done() and done < steps_per_epoch
 
     def _results(self, epoch: int) -> dict[str, float]:
@@ -720,9 +724,16 @@ class Trainer:
         return None
 
     def _log_epoch(self, epoch, epochs, logs, writer, *, partial=False) -> None:
-        if cluster.is_lead_client() and self.config.verbose:
+        """The epoch's figures, once: the progress bar's last line (verbose=1, as Keras's fit
+        prints them), or one ``epoch i/n`` line (verbose=2)."""
+        note = f" (stopped at max_steps={self.config.max_steps})" if partial else ""
+        if self._progbar is not None:
+            self._progbar.update(self._progbar_steps, list(logs.items()), finalize=True)
+            self._progbar = None
+            if note:
+                _log.info("epoch %d/%d%s", epoch + 1, epochs, note)
+        elif cluster.is_lead_client() and self.config.verbose:
             text = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
-            note = f" (stopped at max_steps={self.config.max_steps})" if partial else ""
             _log.info("epoch %d/%d - %s%s", epoch + 1, epochs, text, note)
         if writer is not None:
             with writer.as_default():
