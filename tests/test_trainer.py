@@ -372,9 +372,10 @@ def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
 
 
 @pytest.mark.parametrize("max_steps", [None, pytest.param(11, marks=pytest.mark.slow)])
-def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
+def test_auto_steps_per_execution_is_bit_identical(monkeypatch, caplog, max_steps):
     """auto re-stacks the stream twice in epoch 0 (1 -> 2 -> 3 per call); the updates, max_steps
-    and the history are those of one step per call, bit for bit."""
+    and the history are those of one step per call, bit for bit. The re-stacks re-read the
+    stream silently: only a resume says that batches are read again (issue 57)."""
     from dtk.train import trainer as trainer_lib
 
     def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
@@ -389,7 +390,9 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, max_steps):
     one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
     want = one.fit(_data(one.mesh), epochs=3)
     auto = _trainer(shard_optimizer_state=False, max_steps=max_steps)
-    got = auto.fit(_data(auto.mesh), epochs=3)
+    with caplog.at_level("INFO", logger="dtk"):
+        got = auto.fit(_data(auto.mesh), epochs=3)
+    assert "stream starts" not in caplog.text  # said at debug level only
     assert auto.steps_per_execution == 3
     assert auto.global_step == one.global_step == (max_steps or 18)
     assert got.epochs == want.epochs
@@ -415,7 +418,7 @@ def test_auto_shard_optimizer_state_rule(spec, layout, min_elements, want, monke
 
 
 @pytest.mark.slow  # 10-14 s: the fast lane's 3-minute budget
-def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
+def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch, caplog):
     """A run stopped mid-epoch resumes with the count it chose (no new calibration), same numbers."""
     from dtk.train import trainer as trainer_lib
 
@@ -435,7 +438,9 @@ def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_lib._AutoSteps, "observe", must_not_calibrate)  # pylint: disable=protected-access
     second = _trainer(checkpoint_dir=str(tmp_path), shard_optimizer_state=True)
-    got = second.fit(_data(second.mesh), epochs=3).history
+    with caplog.at_level("INFO", logger="dtk"):
+        got = second.fit(_data(second.mesh), epochs=3).history
+    assert "input: the stream starts at batch 8 (epoch 1, batch 2)" in caplog.text  # a resume
     assert second.global_step == 18 and second.steps_per_execution == 2
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
@@ -461,3 +466,25 @@ def test_allowed_batch_size_change_resumes_at_the_next_epoch(tmp_path, caplog):
     assert len(history.history["loss"]) == 1
     assert any("the last 3 of epoch 1's 6 batches were not trained" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("verbose", [1, 2])
+def test_each_epoch_is_reported_once(capsys, caplog, verbose):
+    """Issue 57: verbose=1 ends each epoch's bar with its figures, validation's included, as
+    Keras's fit does, and prints no second line; verbose=2 prints one line per epoch."""
+    trainer = _trainer(verbose=verbose, steps_per_execution=1)
+    with caplog.at_level("INFO", logger="dtk"):
+        trainer.fit(_data(trainer.mesh), epochs=2,
+                    validation_data=_data(trainer.mesh, remainder="pad", shuffle=False))
+    out, lines = capsys.readouterr().out, caplog.messages
+    epoch_lines = [m for m in lines if m.startswith("epoch ")]
+    if verbose == 1:
+        assert out.count("Epoch 1/2") == 1 and out.count("Epoch 2/2") == 1
+        finals = [part for part in out.replace("\b", "\n").replace("\r", "\n").splitlines()
+                  if part.startswith("6/6 [") and "val_loss" in part]
+        assert len(finals) == 2, out[-2000:]
+        assert not epoch_lines, epoch_lines
+    else:
+        assert "Epoch" not in out
+        assert [m.split(" - ")[0] for m in epoch_lines] == ["epoch 1/2", "epoch 2/2"]
+        assert all("val_loss" in m for m in epoch_lines)
