@@ -1,4 +1,4 @@
-"""The module paths of dtk 0.x before its folders (``dtk.launch``, ``dtk.layouts``, ...): each
+"""The module paths dtk had before its folders (``dtk.launch``, ``dtk.layouts``, ...): each
 still imports, for this release, as the module it became, with a ``DeprecationWarning`` that
 names the new path.
 
@@ -42,8 +42,7 @@ CLUSTER_MODULE = "dtk.cluster.env"
 
 
 def message(old: str, new: str) -> str:
-    return (f"{old} moved to {new} in dtk 0.3; import {new} instead ({old} goes in the next "
-            "release)")
+    return f"{old} moved to {new}; import {new} instead ({old} goes in the next release)"
 
 
 def redirect(old: str, spec_name: str | None = None) -> ModuleType | None:
@@ -56,8 +55,8 @@ def redirect(old: str, spec_name: str | None = None) -> ModuleType | None:
     if old == "__main__":
         old = spec_name or ""
         new = MOVED[old]
-        print(f"warning: python -m {old} moved to python -m {new} in dtk 0.3 (the old path goes "
-              "in the next release)", file=sys.stderr, flush=True)
+        print(f"warning: python -m {old} moved to python -m {new} (the old path goes in the next "
+              "release)", file=sys.stderr, flush=True)
         runpy.run_module(new, run_name="__main__", alter_sys=True)
         return None
     new = MOVED[old]

@@ -1,3 +1,3 @@
 """The one place dtk's version is written (read by setup.cfg and ``dtk.__version__``)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

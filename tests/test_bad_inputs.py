@@ -7,7 +7,7 @@ calls.
 """
 
 import gzip
-import importlib.util
+import importlib
 import os
 import re
 import subprocess
@@ -30,9 +30,7 @@ from dtk.cluster.launch import LaunchConfig
 from tests import procs
 
 SCRIPT = procs.REPO / "scripts" / "train_mnist.py"
-_spec = importlib.util.spec_from_file_location("train_mnist_cli", SCRIPT)
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
+cli = importlib.import_module("dtk.apps.train_mnist")  # the code behind the script
 
 
 @pytest.fixture(name="paths", scope="module")

@@ -363,7 +363,7 @@ def test_every_flag_of_every_command_has_a_help_line():
     assert not missing, missing
 
 
-# The module paths of dtk 0.2 (before dtk/ had folders), documented or used then: each imports,
+# The module paths from before dtk/ had folders (635eba8), documented or used then: each imports,
 # with a DeprecationWarning naming the new path, as the module it became.
 OLD_PATHS = [
     ("dtk.launch", "dtk.cluster.launch", "main"), ("dtk.ray", "dtk.cluster.ray", "DTensorTrainer"),

@@ -6,7 +6,7 @@ Nothing here imports TensorFlow at module level: the launcher starts in millisec
 
 
 def __getattr__(name: str):
-    """``dtk.cluster.<name>`` of dtk 0.2, when ``dtk.cluster`` was the module ``dtk.cluster.env``
+    """``dtk.cluster.<name>`` from before dtk's folders, when ``dtk.cluster`` was the module ``dtk.cluster.env``
     is now: still found there for this release, with a ``DeprecationWarning`` (``dtk._moved``)."""
     import importlib  # pylint: disable=g-import-not-at-top
     import warnings  # pylint: disable=g-import-not-at-top
