@@ -109,7 +109,7 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
                              "mesh=mesh")
         cls = getattr(tf_keras.optimizers, OPTIMIZERS[key])
         try:
-            return cls(mesh=mesh, **kwargs)
+            return keep_ema_on_mesh(cls(mesh=mesh, **kwargs))
         except TypeError as e:
             raise ValueError(f"optimizer {optimizer!r}: bad arguments {kwargs}: {e}") from e
     if kwargs:
@@ -131,6 +131,37 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
             f"optimizer {type(optimizer).__name__} is not bound to the mesh: without mesh= it runs "
             "under DTensor but computes wrong updates. Create it with "
             f"tf_keras.optimizers.{type(optimizer).__name__}(mesh=mesh, ...) or pass its name")
+    return keep_ema_on_mesh(optimizer)
+
+
+def keep_ema_on_mesh(optimizer: tf_keras.optimizers.Optimizer) -> tf_keras.optimizers.Optimizer:
+    """Makes a mesh-bound optimizer with ``use_ema=True`` keep its moving average of the weights.
+
+    tf_keras's DTensor path (``mesh=``) skips the EMA update that its other paths make after
+    every step (and the overwrite every ``ema_overwrite_frequency`` steps): the averages stay at
+    the initial weights, and ``finalize_variable_values`` at the end of ``fit`` puts those back
+    into the model, silently. Here the update runs after each step, as the non-DTensor path
+    runs it. Returns ``optimizer``.
+    """
+    if not getattr(optimizer, "use_ema", False) or getattr(optimizer, "_dtk_ema", False):
+        return optimizer
+    from tf_keras.src.optimizers import optimizer as keras_optimizer  # pylint: disable=g-import-not-at-top
+    base = keras_optimizer._BaseOptimizer  # pylint: disable=protected-access
+    apply = optimizer._internal_apply_gradients  # pylint: disable=protected-access
+
+    def internal_apply_gradients(grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        iteration = apply(grads_and_vars)
+        var_list = [v for _, v in grads_and_vars]
+        base._update_model_variables_moving_average(optimizer, var_list)  # pylint: disable=protected-access
+        if optimizer.ema_overwrite_frequency:
+            tf.cond(tf.equal(optimizer.iterations % optimizer.ema_overwrite_frequency, 0),
+                    lambda: base._overwrite_model_variables_with_average_value(  # pylint: disable=protected-access
+                        optimizer, var_list), lambda: None)
+        return iteration
+
+    optimizer._internal_apply_gradients = internal_apply_gradients  # pylint: disable=protected-access
+    optimizer._dtk_ema = True  # pylint: disable=protected-access
     return optimizer
 
 

@@ -453,6 +453,9 @@ class Trainer:
             epoch += 1
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the last asynchronous save is complete and recorded
+        if getattr(self.optimizer, "use_ema", False) and epoch >= epochs:
+            # As Keras's fit ends: the weights become their moving average (Adam(use_ema=True))
+            self.optimizer.finalize_variable_values(self.model.trainable_variables)
         return self.history
 
     def _done(self) -> bool:

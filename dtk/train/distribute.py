@@ -1,0 +1,258 @@
+"""Keras's own ``fit`` on the mesh: ``dtk.distribute`` lays a model out and lets tf_keras train it.
+
+dtk's ``Trainer`` re-implements Keras's ``compile()``/``fit()`` contract; every keras.io page found
+the next piece it lacked (callbacks, class and sample weights, masks, ``add_loss``, custom
+``compile()``, EMA). Here Keras's own loop and Keras's own ``train_step``/``test_step``/
+``predict_step`` run, and dtk does only what Keras cannot do on a mesh:
+
+* lay the model out (``dtk.parallel.layouts.build_model``: the plain build's initial weights);
+* bind to the mesh whatever the user compiled: every optimizer the model holds after its
+  ``compile()`` (``model.optimizer``, a GAN's two), made again with ``mesh=`` (an optimizer
+  without it computes wrong updates under DTensor, dtensor-notes trap 3), and the metrics
+  Keras creates (their variables are made on the mesh, replicated);
+* pack each batch Keras hands out: sharded over the batch axis when the axis divides it, else
+  (a last partial batch) replicated, so that every batch trains with Keras's own numbers;
+* compile the step: ``make_train_function``/``make_test_function``/``make_predict_function``
+  return a ``tf.function`` of the model's own step around that packing, with dtk's randomness
+  (the same draws on every mesh) keyed by the optimizer's step.
+
+Everything else is Keras's by construction: callbacks and ``stop_training``, ``class_weight`` and
+``sample_weight`` (normalized as Keras does), masks in the loss, ``add_loss``, EMA applied at the
+end of ``fit``, a ``train_step``'s own logs, ``validation_split``, ``initial_epoch``.
+
+Example::
+
+    mesh = dtk.build_mesh("batch=8")
+    model = dtk.distribute(make_model, mesh, seed=0)       # the one line a keras.io page adds
+    model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=64, epochs=3, validation_split=0.2,
+              callbacks=[tf_keras.callbacks.EarlyStopping(patience=2)])
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk.keras_check import require_keras2
+from dtk.parallel import layouts, randomness
+from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
+from dtk.train.optimizers import keep_ema_on_mesh, make_metric
+
+
+def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, *,
+               layout: layouts.LayoutTable | str = "data_parallel", seed: int = 0,
+               input_shape: Sequence[int] | None = None, input_dtype: str = "float32",
+               strict: bool = False, allow_replicated: bool = False,
+               batch_axis: str = BATCH_AXIS) -> tf_keras.Model:
+    """``model_factory()`` laid out on ``mesh``, trained by tf_keras's own ``fit``.
+
+    Args:
+      model_factory: returns a new tf_keras model (Sequential, Functional or subclassed). If it
+        compiles the model, the laid-out model is compiled with the same settings, bound to the
+        mesh.
+      mesh: the mesh (``dtk.build_mesh``).
+      layout: a layout table (name, path or ``LayoutTable``) giving every weight its layout.
+      seed: ``tf_keras.utils.set_random_seed(seed)`` before the build: the initial weights equal
+        the plain build's with this seed, and dtk's random layers draw from it.
+      input_shape, input_dtype: one example's shape for a subclassed model (built by a call).
+      strict, allow_replicated: as for ``dtk.build_model``.
+      batch_axis: the mesh axis the batch is split over.
+
+    Returns:
+      The laid-out model. ``compile()``, ``fit()``, ``evaluate()``, ``predict()``,
+      ``train_on_batch()``, ``test_on_batch()``, ``save_weights()`` and ``summary()`` are
+      tf_keras's own and take all their arguments.
+
+    Raises:
+      TypeError: a Keras 3 model or a factory that returns no tf_keras model.
+      ValueError: a bad layout plan, or a mesh without ``batch_axis``.
+    """
+    mesh = as_mesh(mesh, "mesh")
+    check_batch_axis(mesh, batch_axis)
+    model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
+                                   allow_replicated=allow_replicated, input_shape=input_shape,
+                                   input_dtype=input_dtype)
+    on_mesh(model, mesh, batch_axis=batch_axis)
+    compiled = getattr(model, "_dtk_compiled", None) or {}
+    if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
+        cls, config = compiled["optimizer"]
+        model.compile(optimizer=cls.from_config(dict(config)), loss=compiled["loss"],
+                      metrics=compiled["metrics"], loss_weights=compiled["loss_weights"])
+    return model
+
+
+def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATCH_AXIS
+            ) -> tf_keras.Model:
+    """Makes a laid-out model's ``compile``, ``fit``, ``evaluate`` and ``predict`` run on ``mesh``
+    (see the module docstring); ``distribute`` calls it. Returns ``model``."""
+    require_keras2(model, "model")
+    state = _MeshState(mesh, batch_axis)
+    object.__setattr__(model, "_dtk_mesh_state", state)
+    cls_compile = type(model).compile
+
+    def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
+        if kwargs.get("run_eagerly"):
+            raise ValueError(
+                "compile(run_eagerly=True): a laid-out model's steps run as compiled functions on "
+                "the mesh (DTensor lays out traced functions); drop run_eagerly, or debug the "
+                "model eagerly on one device without dtk.distribute")
+        args = list(args)
+        for index, key in ((2, "metrics"), (5, "weighted_metrics")):  # compile()'s positions
+            if key in kwargs:
+                kwargs[key] = _bind_metric_objects(kwargs[key], mesh)
+            elif len(args) > index and cls_compile is tf_keras.Model.compile:
+                args[index] = _bind_metric_objects(args[index], mesh)
+        with dtensor.default_mesh(mesh):  # metrics and optimizer state made here live on it
+            cls_compile(self, *args, **kwargs)
+            _bind_optimizers(self, mesh)
+        self.train_function = self.test_function = self.predict_function = None
+
+    model.compile = types.MethodType(compile, model)
+    model.make_train_function = types.MethodType(_maker("train_step", "train_function"), model)
+    model.make_test_function = types.MethodType(_maker("test_step", "test_function"), model)
+    model.make_predict_function = types.MethodType(
+        _maker("predict_step", "predict_function"), model)
+    return model
+
+
+class _MeshState:
+    def __init__(self, mesh: dtensor.Mesh, batch_axis: str):
+        self.mesh, self.batch_axis = mesh, batch_axis
+        self.size = mesh.dim_size(batch_axis)
+
+    def pack(self, data: Any) -> Any:
+        """A batch from Keras's data adapter, on the mesh: each tensor sharded over the batch
+        axis on dim 0 when the axis divides it, else replicated (the last partial batch: every
+        device computes the whole of it, so its numbers are Keras's; one more trace)."""
+        leaves = [t for t in tf.nest.flatten(data) if t is not None]
+        rows = {int(t.shape[0]) for t in leaves if t.shape.rank}
+        sharded = len(rows) == 1 and next(iter(rows)) % self.size == 0
+        return tf.nest.map_structure(lambda t: None if t is None else self._put(t, sharded),
+                                     data)
+
+    def _put(self, t: Any, sharded: bool) -> tf.Tensor:
+        t = tf.convert_to_tensor(t)
+        rank = t.shape.rank
+        specs = [dtensor.UNSHARDED] * rank
+        if sharded and rank:
+            specs[0] = self.batch_axis
+        layout = dtensor.Layout(specs, self.mesh)
+        local = self.mesh.local_device_locations()
+        if not sharded or not rank:
+            return dtensor.pack([t] * len(local), layout)
+        per = int(t.shape[0]) // self.size
+        shards = [t[loc[self.batch_axis] * per:(loc[self.batch_axis] + 1) * per]
+                  for loc in local]
+        return dtensor.pack(shards, layout)
+
+
+def _maker(step_name: str, attr: str) -> Callable:
+    """``Model.make_*_function`` for a laid-out model: Keras's step, traced, on packed batches."""
+
+    def make(self, force: bool = False):
+        if getattr(self, attr) is not None and not force:
+            return getattr(self, attr)
+        state = self._dtk_mesh_state  # pylint: disable=protected-access
+        step = getattr(self, step_name)
+        training = step_name == "train_step"
+
+        def body(data):
+            optimizer = getattr(self, "optimizer", None)
+            iterations = getattr(optimizer, "iterations", None)
+            if training and iterations is not None:
+                with randomness.step_scope(iterations.read_value()):
+                    return step(data)
+            return step(data)
+
+        traced = tf.function(body, reduce_retracing=True)
+        per_call = int(getattr(self, "_steps_per_execution", None) is not None
+                       and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
+
+        def function(iterator):
+            outputs = None
+            for i in range(per_call if step_name != "predict_step" else 1):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if i == 0:
+                        raise
+                    break
+                batch = state.pack(data)
+                # Variables Keras makes in the first trace (metrics' state, built on first use)
+                # are made on the mesh, replicated: one not on it computes wrong values there.
+                with dtensor.default_mesh(state.mesh):
+                    outputs = traced(batch)
+            return outputs
+
+        setattr(self, attr, function)
+        return function
+
+    return make
+
+
+def _bind_metric_objects(metrics: Any, mesh: dtensor.Mesh) -> Any:
+    """Metric objects given to ``compile()`` (an ``AUC()`` the user made), made again bound to
+    ``mesh`` (``make_metric``); names stay names (Keras makes them on the mesh, see above)."""
+    return tf.nest.map_structure(
+        lambda m: make_metric(m, mesh) if isinstance(m, tf_keras.metrics.Metric) else m, metrics)
+
+
+def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
+    """Every optimizer the model holds after ``compile()`` (``model.optimizer``; a GAN's
+    ``d_optimizer`` and ``g_optimizer``), made again bound to ``mesh`` when it is not.
+
+    Raises:
+      ValueError: a legacy optimizer (it rejects ``mesh=``), naming the attribute.
+    """
+    for attr, value in list(vars(model).items()):
+        if attr.startswith("_") and attr != "_optimizer":
+            continue
+        if not isinstance(value, (tf_keras.optimizers.Optimizer,
+                                  tf_keras.optimizers.legacy.Optimizer)):
+            continue
+        if isinstance(value, tf_keras.optimizers.legacy.Optimizer):
+            raise ValueError(
+                f"{attr} is a legacy optimizer ({type(value).__name__}), which cannot be bound "
+                "to a DTensor mesh (it rejects mesh=); use tf_keras.optimizers."
+                f"{type(value).__name__} (not .legacy)")
+        if getattr(value, "_mesh", None) is not None:
+            continue
+        if value.iterations.numpy() if tf.executing_eagerly() else False:
+            raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "
+                             "mesh; compile the laid-out model with a new optimizer")
+        config = value.get_config()
+        config.pop("is_legacy_optimizer", None)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = tf_keras.optimizers.schedules.deserialize(
+                config["learning_rate"])
+        bound = type(value)(**config, mesh=mesh)
+        name = "optimizer" if attr == "_optimizer" else attr
+        setattr(model, name, bound)
+    for value in list(vars(model).values()):
+        if isinstance(value, tf_keras.optimizers.Optimizer):
+            _dense_updates(value)
+            keep_ema_on_mesh(value)
+
+
+def _dense_updates(optimizer: tf_keras.optimizers.Optimizer) -> None:
+    """Makes ``optimizer`` apply an Embedding's sparse gradient (``IndexedSlices``) as a dense
+    one: its sparse update is ``ResourceScatterAdd``, which DTensor cannot lay out. The same
+    values (the untouched rows get zero gradient; Adam's moments decay on every row either way,
+    as Keras's dense path does)."""
+    if getattr(optimizer, "_dtk_dense", False):
+        return
+    apply = optimizer.apply_gradients
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        pairs = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
+                 for g, v in grads_and_vars]
+        return apply(pairs, *args, **kwargs)
+
+    optimizer.apply_gradients = apply_gradients
+    optimizer._dtk_dense = True  # pylint: disable=protected-access

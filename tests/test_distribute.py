@@ -1,0 +1,265 @@
+"""dtk.distribute: tf_keras's own compile/fit/evaluate/predict on the mesh (issue 58).
+
+Each test runs the same Keras code twice, once on a plain model on one device and once on
+``dtk.distribute(factory, mesh)``, and compares every logged number (1e-5) and the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+
+MESHES = ["batch=8", "batch=4,model=2", "batch=1"]
+RTOL = 1e-5
+
+
+def _binary_data(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 12)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0.3).astype("float32")  # 1-D labels, as keras.io writes them
+    return x, y
+
+
+def _mlp(dropout=0.0):
+    layers = [tf_keras.layers.Dense(16, activation="relu", input_shape=(12,), name="d1")]
+    if dropout:
+        layers.append(tf_keras.layers.Dropout(dropout, name="drop"))
+    layers.append(tf_keras.layers.Dense(1, activation="sigmoid", name="d2"))
+    return tf_keras.Sequential(layers)
+
+
+def _layout(spec):
+    return "mlp_model_parallel" if "model" in spec else "data_parallel"
+
+
+def _both(factory, spec, run, seed=0):
+    """``run(model)`` on the plain model and on the distributed one; both results."""
+    tf_keras.utils.set_random_seed(seed)
+    plain = run(factory())
+    mesh = dtk.build_mesh(spec)
+    model = dtk.distribute(factory, mesh, layout=_layout(spec), seed=seed, allow_replicated=True)
+    return plain, run(model)
+
+
+def _close_histories(want, got):
+    assert set(want) == set(got), (set(want), set(got))
+    for key in want:
+        assert len(want[key]) == len(got[key]), key
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=1e-6, err_msg=key)
+
+
+def _close_weights(a, b):
+    for w, v in zip(a.get_weights(), dtk.gather_weights(b)):
+        np.testing.assert_allclose(v, w, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_fit_with_callbacks_class_weight_and_validation_split_is_keras(spec):
+    """The findings of issue 58 in one fit: callbacks accepted; class_weight normalized as Keras
+    does; EarlyStopping stops at Keras's epoch; 1-D binary labels with the string loss and
+    "accuracy"; a user's metric object (AUC); a last partial batch (150 = 4 x 32 + 22)."""
+    x, y = _binary_data()
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                      metrics=["accuracy", tf_keras.metrics.AUC(name="auc")])
+        stop = tf_keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=0.02)
+        history = model.fit(x, y, batch_size=32, epochs=8, class_weight={0: 1, 1: 3},
+                            validation_split=0.25, verbose=0, callbacks=[stop])
+        return history.history, model, model.evaluate(x, y, batch_size=40, verbose=0), \
+            model.predict(x, verbose=0)
+
+    (want, plain, plain_eval, plain_pred), (got, model, got_eval, got_pred) = _both(_mlp, spec, run)
+    assert len(want["loss"]) < 8  # EarlyStopping stopped Keras's run, and dtk's at the same epoch
+    _close_histories(want, got)
+    _close_weights(plain, model)
+    np.testing.assert_allclose(got_eval, plain_eval, rtol=RTOL)
+    np.testing.assert_allclose(got_pred, plain_pred, rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["object", "string"])
+def test_sample_weight_and_binary_crossentropy_object_are_keras(loss):
+    x, y = _binary_data()
+    weights = np.random.default_rng(1).uniform(0.1, 2.0, size=len(x)).astype("float32")
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss=tf_keras.losses.BinaryCrossentropy() if loss == "object"
+                      else "binary_crossentropy", weighted_metrics=["accuracy"])
+        return model.fit(x, y, sample_weight=weights, batch_size=40, epochs=3,
+                         verbose=0).history, model
+
+    (want, plain), (got, model) = _both(_mlp, "batch=8", run)
+    _close_histories(want, got)
+    _close_weights(plain, model)
+
+
+def test_train_on_batch_and_test_on_batch_are_keras():
+    x, y = _binary_data(64)
+
+    def run(model):
+        model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
+        out = [model.train_on_batch(x[:32], y[:32]), model.train_on_batch(x[32:], y[32:]),
+               model.test_on_batch(x, y)]
+        return out, model
+
+    (want, plain), (got, model) = _both(_mlp, "batch=4,model=2", run)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    _close_weights(plain, model)
+
+
+def test_the_optimizer_the_user_compiled_is_bound_to_the_mesh():
+    """compile(optimizer="adam") gives Keras's own Adam, not bound to the mesh (which trains
+    wrong under DTensor): dtk makes it again with mesh=, keeping its settings."""
+    mesh = dtk.build_mesh("batch=8")
+    model = dtk.distribute(_mlp, mesh)
+    model.compile(optimizer=tf_keras.optimizers.Adam(3e-3, beta_1=0.8), loss="mse")
+    assert model.optimizer._mesh == mesh  # pylint: disable=protected-access
+    assert model.optimizer.get_config()["beta_1"] == pytest.approx(0.8)
+    assert float(model.optimizer.learning_rate) == pytest.approx(3e-3)
+
+
+def test_run_eagerly_is_refused_with_the_reason():
+    model = dtk.distribute(_mlp, dtk.build_mesh("batch=8"))
+    with pytest.raises(ValueError, match=r"run_eagerly=True.*drop run_eagerly"):
+        model.compile(optimizer="adam", loss="mse", run_eagerly=True)
+
+
+def test_ema_is_applied_at_the_end_of_fit_as_keras_does():
+    x, y = _binary_data()
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2, use_ema=True,
+                                                         ema_overwrite_frequency=None),
+                      loss="binary_crossentropy")
+        model.fit(x, y, batch_size=40, epochs=2, verbose=0)
+        return model
+
+    plain, model = _both(_mlp, "batch=8", run)
+    _close_weights(plain, model)
+
+
+def test_masked_sequence_loss_is_keras():
+    """A model whose output carries a Keras mask (Embedding(mask_zero=True)): the loss skips the
+    padding, as Keras's does. The Embedding's gradient is applied dense (DTensor cannot lay out
+    the sparse update), with the same numbers."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(64, 10)).astype("int32")
+    x[:, 6:] = 0  # padding
+    y = rng.integers(0, 5, size=(64, 10)).astype("int32")
+
+    def factory():
+        inputs = tf_keras.Input((10,), dtype="int32")
+        h = tf_keras.layers.Embedding(20, 8, mask_zero=True, name="embed")(inputs)
+        outputs = tf_keras.layers.Dense(5, name="d1")(h)
+        return tf_keras.Model(inputs, outputs)
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2),
+                      loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0).history, model
+
+    (want, plain), (got, model) = _both(factory, "batch=8", run)
+    _close_histories(want, got)
+    _close_weights(plain, model)
+
+
+class _TwoOptimizers(tf_keras.Model):
+    """keras.io's GAN shape: its own compile() signature, two optimizers, its own train_step
+    and logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = tf_keras.layers.Dense(8, activation="tanh", name="a")
+        self.b = tf_keras.layers.Dense(1, name="b")
+        self.tracker = tf_keras.metrics.Mean(name="b_loss")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+    def compile(self, a_optimizer, b_optimizer, loss_fn):  # pylint: disable=arguments-differ
+        super().compile()
+        self.a_optimizer, self.b_optimizer, self.loss_fn = a_optimizer, b_optimizer, loss_fn
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = self.loss_fn(y, self(x, training=True))
+        self.a_optimizer.apply_gradients(zip(tape.gradient(loss, self.a.trainable_weights),
+                                             self.a.trainable_weights))
+        self.b_optimizer.apply_gradients(zip(tape.gradient(loss, self.b.trainable_weights),
+                                             self.b.trainable_weights))
+        self.tracker.update_state(loss)
+        return {"b_loss": self.tracker.result(), "last": loss}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+def test_a_custom_compile_with_two_optimizers_runs_as_written():
+    x, y = _binary_data(96)
+
+    def run(model):
+        model.compile(tf_keras.optimizers.Adam(1e-2), tf_keras.optimizers.SGD(0.05),
+                      tf_keras.losses.MeanSquaredError())
+        return model.fit(x, y[:, None], batch_size=32, epochs=2, verbose=0).history, model
+
+    tf_keras.utils.set_random_seed(0)
+    plain = _TwoOptimizers()
+    plain(x[:1])
+    want = run(plain)[0]
+    mesh = dtk.build_mesh("batch=8")
+    model = dtk.distribute(_TwoOptimizers, mesh, seed=0, input_shape=(12,))
+    got = run(model)[0]
+    assert model.a_optimizer._mesh == mesh and model.b_optimizer._mesh == mesh  # pylint: disable=protected-access
+    assert set(got) == {"b_loss", "last"}  # the train_step's own logs, kept
+    _close_histories(want, got)
+
+
+@pytest.mark.slow
+def test_dropout_draws_the_same_on_every_mesh():
+    """With dtk's randomness a Dropout's masks depend on (seed, step, layer, example), not on
+    the mesh: batch=8 and batch=4,model=2 train to batch=1's numbers. They differ from plain
+    Keras, whose masks come from its own generator (not comparable)."""
+    x, y = _binary_data()
+    histories = []
+    for spec in ("batch=1", "batch=8", "batch=4,model=2"):
+        model = dtk.distribute(functools.partial(_mlp, dropout=0.3), dtk.build_mesh(spec),
+                               layout=_layout(spec), seed=0, allow_replicated=True)
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        histories.append(model.fit(x, y, batch_size=40, epochs=3, verbose=0).history["loss"])
+    np.testing.assert_allclose(histories[1], histories[0], rtol=RTOL)
+    np.testing.assert_allclose(histories[2], histories[0], rtol=RTOL)
+
+
+def test_a_mesh_bound_optimizer_keeps_its_moving_average():
+    """tf_keras's DTensor path skips the EMA update (the averages stayed at the initial weights,
+    and the end of fit put those back): dtk.make_optimizer's optimizers keep it, as the plain
+    path does, overwrite frequency included."""
+    mesh = dtk.build_mesh("batch=8")
+    from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
+    start = np.arange(6, dtype=np.float32).reshape(2, 3)
+    grads = [np.full((2, 3), 0.1 * (i + 1), np.float32) for i in range(5)]
+    plain_var = tf.Variable(start)
+    plain = tf_keras.optimizers.Adam(0.1, use_ema=True, ema_overwrite_frequency=3)
+    mesh_var = dtensor.DVariable(dtensor.copy_to_mesh(start, dtensor.Layout.replicated(mesh, 2)))
+    bound = dtk.make_optimizer(tf_keras.optimizers.Adam(0.1, use_ema=True,
+                                                        ema_overwrite_frequency=3, mesh=mesh),
+                               mesh)
+    for g in grads:
+        plain.apply_gradients([(tf.constant(g), plain_var)])
+        bound.apply_gradients([(dtensor.copy_to_mesh(g, dtensor.Layout.replicated(mesh, 2)),
+                                mesh_var)])
+    np.testing.assert_allclose(dtk.global_value(mesh_var), plain_var.numpy(), rtol=1e-6)
+    plain.finalize_variable_values([plain_var])
+    bound.finalize_variable_values([mesh_var])
+    np.testing.assert_allclose(dtk.global_value(mesh_var), plain_var.numpy(), rtol=1e-6)
+    assert not np.allclose(plain_var.numpy(), start)
