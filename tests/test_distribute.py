@@ -263,3 +263,36 @@ def test_a_mesh_bound_optimizer_keeps_its_moving_average():
     bound.finalize_variable_values([mesh_var])
     np.testing.assert_allclose(dtk.global_value(mesh_var), plain_var.numpy(), rtol=1e-6)
     assert not np.allclose(plain_var.numpy(), start)
+
+
+BAD_CALLS = [  # (call, error type, phrase): one clear error before Keras starts
+    (lambda m, x, y: m.fit(x, y, batch_size=30, verbose=0), ValueError,
+     r"fit\(batch_size=30\): mesh axis 'batch' of size 8 cannot split it evenly.*24 or 32.*"
+     r"last batch smaller than batch_size .* is fine"),
+    (lambda m, x, y: m.evaluate(x, y, 20, verbose=0), ValueError,
+     r"evaluate\(batch_size=20\).*16 or 24"),
+    (lambda m, x, y: m.predict(x, 12, verbose=0), ValueError, r"predict\(batch_size=12\)"),
+    (lambda m, x, y: m.fit(x, y, batch_size=32, verbose=0,
+                           callbacks=[type("Keras3Callback", (), {"__module__": "keras.src.x"})()]),
+     TypeError, r"Keras 3"),
+]
+
+
+@pytest.mark.parametrize("call, error, phrase", BAD_CALLS, ids=["fit", "evaluate", "predict",
+                                                                  "keras3 callback"])
+def test_bad_calls_are_refused_in_one_line(call, error, phrase):
+    x, y = _binary_data(64)
+    model = dtk.distribute(_mlp, dtk.build_mesh("batch=8"))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    with pytest.raises(error, match=phrase) as info:
+        call(model, x, y)
+    assert "\n" not in str(info.value)
+
+
+def test_a_keras_3_model_is_refused():
+    keras3 = pytest.importorskip("keras")
+    if not keras3.__version__.startswith("3"):
+        pytest.skip("keras 3 is not installed")
+    with pytest.raises(TypeError, match="Keras 3"):
+        dtk.distribute(lambda: keras3.Sequential([keras3.layers.Dense(1)]),
+                       dtk.build_mesh("batch=8"))

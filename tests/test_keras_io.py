@@ -120,3 +120,40 @@ def test_the_zoo_covers_the_pages_the_issue_names():
                   "Timeseries", "Variational AutoEncoder", "autoencoder"):
         assert words in pages, words
     assert len(zoo.EXAMPLES) >= 15
+
+
+# Pages whose model draws random numbers in training (Dropout, random augmentation, the VAE's
+# sampling): with dtk.distribute they draw dtk's mesh-invariant numbers (keyed by seed, step,
+# layer and example), so they equal each other on every mesh but not plain tf_keras's draws.
+DRAWS_IN_TRAINING = {"mnist_convnet", "image_classification_from_scratch", "ct_3d",
+                     "structured_data", "vae"}
+FAST_FIT = {"text_transformer", "vae"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_FIT else pytest.mark.slow)
+                                  for n in zoo.EXAMPLES])
+def test_keras_io_page_trains_with_keras_own_fit(name):
+    """Issue 58: each page as written (its factory compiles it), plus one line,
+    ``dtk.distribute``, trained by tf_keras's own ``model.fit``: every logged number on batch=8
+    and batch=4,model=2 equals batch=1's (1e-5), and equals plain tf_keras's ``fit`` where the
+    model draws nothing random in training."""
+    example = zoo.EXAMPLES[name]
+    x, y = example.data()
+    histories = {}
+    for spec in ("batch=1", "batch=8", "batch=4,model=2"):
+        model = dtk.distribute(example.factory, dtk.build_mesh(spec), seed=7,
+                               allow_replicated=True, input_shape=example.input_shape)
+        histories[spec] = model.fit(x, y, batch_size=zoo.B, epochs=2, shuffle=False,
+                                    verbose=0).history
+    tf_keras.utils.set_random_seed(7)
+    plain = example.factory()
+    want = plain.fit(x, y, batch_size=zoo.B, epochs=2, shuffle=False, verbose=0).history
+    references = [("batch=1", histories["batch=1"])]
+    if name not in DRAWS_IN_TRAINING:
+        references.append(("plain tf_keras", want))
+    for spec, got in histories.items():
+        for label, ref in references:
+            assert set(got) == set(ref), (spec, sorted(got), sorted(ref))
+            for key in ref:
+                np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{name} on {spec} vs {label}: {key}")

@@ -35,10 +35,12 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk.data.input import pack
 from dtk.keras_check import require_keras2
 from dtk.parallel import layouts, randomness
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
@@ -114,6 +116,16 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
         self.train_function = self.test_function = self.predict_function = None
 
     model.compile = types.MethodType(compile, model)
+    for name, position in (("fit", 2), ("evaluate", 2), ("predict", 1)):
+        model_method = getattr(type(model), name)
+
+        def checked(self, *args, _method=model_method, _name=name, _position=position,
+                    **kwargs):
+            size = kwargs.get("batch_size", args[_position] if len(args) > _position else None)
+            state.check_call(_name, size, kwargs.get("callbacks"))
+            return _method(self, *args, **kwargs)
+
+        setattr(model, name, types.MethodType(checked, model))
     model.make_train_function = types.MethodType(_maker("train_step", "train_function"), model)
     model.make_test_function = types.MethodType(_maker("test_step", "test_function"), model)
     model.make_predict_function = types.MethodType(
@@ -126,30 +138,42 @@ class _MeshState:
         self.mesh, self.batch_axis = mesh, batch_axis
         self.size = mesh.dim_size(batch_axis)
 
-    def pack(self, data: Any) -> Any:
-        """A batch from Keras's data adapter, on the mesh: each tensor sharded over the batch
-        axis on dim 0 when the axis divides it, else replicated (the last partial batch: every
-        device computes the whole of it, so its numbers are Keras's; one more trace)."""
-        leaves = [t for t in tf.nest.flatten(data) if t is not None]
-        rows = {int(t.shape[0]) for t in leaves if t.shape.rank}
-        sharded = len(rows) == 1 and next(iter(rows)) % self.size == 0
-        return tf.nest.map_structure(lambda t: None if t is None else self._put(t, sharded),
-                                     data)
+    def check_call(self, method: str, batch_size: Any, callbacks: Any) -> None:
+        """Refuses, before Keras starts, a ``batch_size`` the batch axis cannot divide and Keras
+        3 callbacks.
 
-    def _put(self, t: Any, sharded: bool) -> tf.Tensor:
-        t = tf.convert_to_tensor(t)
-        rank = t.shape.rank
-        specs = [dtensor.UNSHARDED] * rank
-        if sharded and rank:
-            specs[0] = self.batch_axis
-        layout = dtensor.Layout(specs, self.mesh)
-        local = self.mesh.local_device_locations()
-        if not sharded or not rank:
-            return dtensor.pack([t] * len(local), layout)
-        per = int(t.shape[0]) // self.size
-        shards = [t[loc[self.batch_axis] * per:(loc[self.batch_axis] + 1) * per]
-                  for loc in local]
-        return dtensor.pack(shards, layout)
+        Raises:
+          ValueError: naming ``batch_size``, the axis and its size, and the fix.
+          TypeError: a Keras 3 callback.
+        """
+        for callback in callbacks or ():
+            require_keras2(callback, f"{method}(callbacks=[...]) entry {type(callback).__name__}")
+        if isinstance(batch_size, int) and batch_size % self.size:
+            fits = [b for b in (batch_size - batch_size % self.size,
+                                batch_size + self.size - batch_size % self.size) if b > 0]
+            raise ValueError(
+                f"{method}(batch_size={batch_size}): mesh axis {self.batch_axis!r} of size "
+                f"{self.size} cannot split it evenly over its devices; use a multiple of "
+                f"{self.size} (e.g. {' or '.join(map(str, fits))}). A last batch smaller than "
+                "batch_size (the data's remainder) is fine: dtk runs it whole on every device, "
+                "with Keras's numbers")
+
+    def pack(self, data: Any) -> Any:
+        """A batch from Keras's data adapter, on the mesh: sharded over the batch axis on dim 0
+        when the axis divides it (``dtk.data.input.pack``, which takes each local device's rows
+        from its coordinates, on any mesh and client count), else replicated (the last partial
+        batch: every device computes the whole of it, so its numbers are Keras's; one more
+        trace)."""
+        present = [t for t in tf.nest.flatten(data) if t is not None]
+        arrays = [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in present]
+        rows = {a.shape[0] for a in arrays if a.ndim}
+        if len(rows) == 1 and next(iter(rows)) % self.size == 0 and all(a.ndim for a in arrays):
+            packed = iter(pack(self.mesh, arrays, batch_axis=self.batch_axis))
+        else:
+            local = len(self.mesh.local_device_locations())
+            packed = iter(dtensor.pack([a] * local, dtensor.Layout.replicated(self.mesh, a.ndim))
+                          for a in arrays)
+        return tf.nest.map_structure(lambda t: None if t is None else next(packed), data)
 
 
 def _maker(step_name: str, attr: str) -> Callable:
@@ -174,6 +198,8 @@ def _maker(step_name: str, attr: str) -> Callable:
         per_call = int(getattr(self, "_steps_per_execution", None) is not None
                        and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
 
+        fresh = [True]
+
         def function(iterator):
             outputs = None
             for i in range(per_call if step_name != "predict_step" else 1):
@@ -184,10 +210,15 @@ def _maker(step_name: str, attr: str) -> Callable:
                         raise
                     break
                 batch = state.pack(data)
+                if traced.experimental_get_tracing_count() and not fresh:
+                    outputs = traced(batch)
+                    continue
                 # Variables Keras makes in the first trace (metrics' state, built on first use)
                 # are made on the mesh, replicated: one not on it computes wrong values there.
+                # (Only then: the scope costs about a millisecond a call.)
                 with dtensor.default_mesh(state.mesh):
                     outputs = traced(batch)
+                fresh.clear()
             return outputs
 
         setattr(self, attr, function)
