@@ -296,3 +296,56 @@ def test_a_keras_3_model_is_refused():
     with pytest.raises(TypeError, match="Keras 3"):
         dtk.distribute(lambda: keras3.Sequential([keras3.layers.Dense(1)]),
                        dtk.build_mesh("batch=8"))
+
+
+def _compiled(spec):
+    model = dtk.distribute(_mlp, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                           allow_replicated=True)
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+class _Killed(tf_keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("killed after epoch 2")
+
+
+@pytest.mark.slow
+def test_keras_backup_and_restore_resumes_exactly(tmp_path):
+    """Keras's own BackupAndRestore on a model sharded over model: a run killed after epoch 2
+    resumes at epoch 3 and ends with the uninterrupted run's losses, bit for bit."""
+    x, y = _binary_data(192)
+    fit = functools.partial(_fit_no_shuffle, x, y)
+    full = fit(_compiled("batch=4,model=2"), [])
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(_compiled("batch=4,model=2"), [tf_keras.callbacks.BackupAndRestore(str(tmp_path)),
+                                           _Killed()])
+    resumed = fit(_compiled("batch=4,model=2"),
+                  [tf_keras.callbacks.BackupAndRestore(str(tmp_path))])
+    assert resumed == full[2:]
+
+
+def _fit_no_shuffle(x, y, model, callbacks):
+    return model.fit(x, y, batch_size=32, epochs=4, verbose=0, shuffle=False,
+                     callbacks=callbacks).history["loss"]
+
+
+def test_weights_and_saved_models_cross_meshes_and_load_in_plain_keras(tmp_path):
+    """ModelCheckpoint(save_weights_only=True) on batch=8 loads into batch=4,model=2; save() of a
+    model sharded over model writes a file plain tf_keras loads, with the same predictions."""
+    x, y = _binary_data(64)
+    first = _compiled("batch=8")
+    path = str(tmp_path / "w.ckpt")
+    first.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[tf_keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
+    second = _compiled("batch=4,model=2")
+    second.load_weights(path)
+    for a, b in zip(dtk.gather_weights(first), dtk.gather_weights(second)):
+        np.testing.assert_array_equal(a, b)
+    second.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    second.save(str(tmp_path / "m.keras"))
+    loaded = tf_keras.models.load_model(str(tmp_path / "m.keras"))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), second.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)

@@ -81,12 +81,33 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                                    allow_replicated=allow_replicated, input_shape=input_shape,
                                    input_dtype=input_dtype)
     on_mesh(model, mesh, batch_axis=batch_axis)
+    _save_through_a_plain_twin(model, model_factory, input_shape)
     compiled = getattr(model, "_dtk_compiled", None) or {}
     if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
         cls, config = compiled["optimizer"]
         model.compile(optimizer=cls.from_config(dict(config)), loss=compiled["loss"],
                       metrics=compiled["metrics"], loss_weights=compiled["loss_weights"])
     return model
+
+
+def _save_through_a_plain_twin(model: tf_keras.Model, model_factory: Callable,
+                               input_shape: Sequence[int] | None) -> None:
+    """``model.save(path)`` on a model with sharded weights writes a plain twin
+    (``dtk.train.checkpoint.plain_copy``: the factory's model with the trained weights; Keras's
+    own save cannot copy a sharded DTensor to the host). The twin carries no optimizer state:
+    resume from ``BackupAndRestore``, ``ModelCheckpoint(save_weights_only=True)`` or dtk's
+    checkpoints, which keep it. A model whose weights are all replicated saves as Keras does."""
+    keras_save = model.save
+
+    def save(filepath, *args, **kwargs):
+        from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+        if all(dtensor.fetch_layout(v).is_fully_replicated() for v in model.weights):
+            return keras_save(filepath, *args, **kwargs)
+        kwargs.pop("include_optimizer", None)
+        twin = checkpoint.plain_copy(model, model_factory, input_shape=input_shape)
+        return twin.save(filepath, *args, **kwargs)  # never compiled: no optimizer state
+
+    model.save = save
 
 
 def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATCH_AXIS
