@@ -229,13 +229,35 @@ def quiet_tensorflow_env() -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in _QUIET_TF_ENV.items()}
 
 
-def check_all() -> None:
+KNOWN = (VIRTUAL_DEVICES, READY_FILE, REGISTER_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, PORT_BASE,
+         LAYOUTS_DIR, OFFLINE, BLAMED_FILE, GRAPPLER, PLAN_CACHE)
+# Read by dtk's benchmark scripts and test suite, not by the library: known, not suggested.
+TOOL_NAMES = ("DTK_BENCH_DEVICE", "DTK_REQUIRE_FULL_MNIST", "DTK_FAST_TEST_BUDGET_S")
+
+
+def unknown_names() -> list[str]:
+    """One line for each ``DTK_*`` variable set in the environment that dtk does not know (a
+    misspelling such as ``DTK_PLAN_CACH`` would otherwise be ignored), with the closest name."""
+    import difflib  # pylint: disable=g-import-not-at-top
+    lines = []
+    for name in sorted(n for n in os.environ
+                       if n.startswith("DTK_") and n not in KNOWN and n not in TOOL_NAMES):
+        near = difflib.get_close_matches(name[4:], [k[4:] for k in KNOWN], n=1, cutoff=0.7)
+        hint = f"did you mean DTK_{near[0]}?" if near else f"dtk reads {', '.join(KNOWN)}"
+        lines.append(f"{name} is set but dtk reads no such variable ({hint})")
+    return lines
+
+
+def check_all(*, warn_unknown: bool = True) -> None:
     """Validates every ``DTK_*`` variable that is set, whether this run reads it or not, so a
-    malformed value is one error at start-up, never ignored on the paths that skip it.
+    malformed value is one error at start-up, never ignored on the paths that skip it; warns
+    about a ``DTK_*`` name dtk does not know (``unknown_names``).
 
     Raises:
       ValueError: naming the variable, its value and the fix.
     """
+    for line in unknown_names() if warn_unknown else ():
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
     get_int(VIRTUAL_DEVICES)
     get_seconds(REGISTER_TIMEOUT_S, 1.0)
     get_seconds(HEARTBEAT_TIMEOUT_S, 1.0)

@@ -164,6 +164,18 @@ def define_flags(names, **defaults: Any) -> None:
         raise TypeError(f"defaults for flags not defined here: {sorted(defaults)}")
 
 
+def refuse_unused(flag_values, unused: dict[str, str], script: str) -> None:
+    """The one rule for a flag a script defines (a shared flag) and does not use: refused where
+    it is given, with the reason, never dropped silently (``unused``: name -> why).
+
+    Raises:
+      UsageError: naming the flag, the script and why.
+    """
+    for name, why in unused.items():
+        if flag_values[name].present:
+            raise UsageError(f"--{name} is not used by {script}: {why}; drop it")
+
+
 def check_shared_flags(values: Callable[[str], Any]) -> None:
     """Checks the shared flags a script defined; ``values(name)`` reads one (None if undefined).
 
@@ -504,7 +516,10 @@ def main(argv: list[str], run: Callable[[], Any], *, verbose: bool,
               file=sys.stderr)
         return 2
     setup_output(verbose=verbose)
-    status, summary = run_reporting_errors(lambda: (_env.check_all(), run())[1])
+    for line in _env.unknown_names():  # a misspelled DTK_* variable: one line, not ignored
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    status, summary = run_reporting_errors(
+        lambda: (_env.check_all(warn_unknown=False), run())[1])
     if status == 0 and summary_json and summary:
         from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
         if cluster.is_lead_client():

@@ -417,3 +417,38 @@ def test_python_m_dtk_launch_still_runs_and_names_the_new_path():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "python -m dtk.cluster.launch" in res.stdout
     assert "python -m dtk.launch moved to python -m dtk.cluster.launch" in res.stderr
+
+
+@pytest.mark.parametrize("app", ["train_mnist", "train_lm", "train_recsys", "tune_mnist"])
+def test_every_flag_a_script_defines_is_used_or_refused(app):
+    """Issue 59's rule: a flag is read by the script (its own code, or dtk.cli's shared checks
+    it calls) or listed in its UNUSED_FLAGS, which refuse it where given; none is dropped."""
+    import re  # pylint: disable=import-outside-toplevel
+    code = (f"import importlib, json; m = importlib.import_module('dtk.apps.{app}'); "
+            "from absl import flags; "
+            f"print('FLAGS', json.dumps([f.name for f in flags.FLAGS.get_flags_for_module("
+            f"'dtk.apps.{app}')]), json.dumps(sorted(getattr(m, 'UNUSED_FLAGS', {{}}))))")
+    res = procs.run_python(code, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    names, unused = _two_lists(res.stdout)
+    own = (procs.REPO / "dtk" / "apps" / f"{app}.py").read_text()
+    shared = (procs.REPO / "dtk" / "cli.py").read_text()
+    aliases = {a for group in cli.FLAG_ALIASES.values() for a in group}
+    dropped = [n for n in names if n not in unused and n not in aliases
+               and not re.search(rf"FLAGS\.{n}\b|FLAGS\[\"{n}\"\]|\"{n}\"", own)
+               and not re.search(rf"values\(\"{n}\"\)|flags\.{n}\b", shared)]
+    assert not dropped, f"{app} defines flags it neither reads nor refuses: {dropped}"
+    values = {"plot": "=plan.png", "remat": "=blocks"}  # the non-boolean ones
+    for name in unused:
+        res = _run([sys.executable, os.path.join("scripts", f"{app}.py")],
+                   f"--{name}{values.get(name, '')}")
+        assert res.returncode == 2 and f"--{name} is not used by {app}.py" in res.stderr, \
+            res.stderr[-1000:]
+
+
+def _two_lists(stdout: str):
+    text = stdout.split("FLAGS", 1)[1].strip()
+    decoder = json.JSONDecoder()
+    first, end = decoder.raw_decode(text)
+    second, _ = decoder.raw_decode(text[end:].strip())
+    return first, second

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import math
+import re
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -83,6 +86,10 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
      "--block_size 100 does not divide --seq_len 128"),
     (["--attention", "blockwise", "--block_size", "0"], "--block_size 0 does not divide"),
     (["--attention", "blockwise", "--block_size", "256", "--seq_len", "128"], ACCEPTED),
+    # issue 59: a flag that does nothing here is refused, not ignored
+    (["--attention", "mha", "--block_size", "7", "--seq_len", "32"],
+     "--block_size 7 sets blockwise attention's key blocks, but --attention is 'mha'; add "
+     "--attention blockwise, or drop --block_size"),
 ]
 
 TUNE_CASES = [
@@ -151,6 +158,14 @@ RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in on
     (["--mesh", "batch=4,model=2", "--sparse_tables", "--optimizer", "adagrad"], ACCEPTED),
     (["--mesh", "batch=8", "--sparse_tables"], ACCEPTED),
     (["--mesh", "batch=8", "--fsdp"], ACCEPTED),
+    # issue 59: shared flags the recommender does not use are refused where given
+    (["--mixed_precision"], "--mixed_precision is not used by train_recsys.py: the recommender "
+     "trains in float32"),
+    (["--remat", "blocks"], "--remat is not used by train_recsys.py"),
+    (["--shard_optimizer_state"], "--shard_optimizer_state is not used by train_recsys.py"),
+    (["--noshard_optimizer_state"], "--shard_optimizer_state is not used by train_recsys.py"),
+    (["--plot", "{dir}/plan.png", "--explain_plan"],
+     "--plot is not used by train_recsys.py: the tables' planner prints its candidates"),
 ]
 
 _RUNNER = textwrap.dedent("""
@@ -270,6 +285,44 @@ ENV_CASES = [  # variable, value, phrase (None: accepted)
     ("DTK_READY_FILE", "/proc/nope/ready", "is not writable"),
     ("DTK_READY_FILE", "{tmp}", "is a directory"),
 ]
+
+
+@pytest.mark.parametrize("name, want", [
+    ("DTK_PLAN_CACH", "DTK_PLAN_CACH is set but dtk reads no such variable (did you mean "
+                      "DTK_PLAN_CACHE?)"),
+    ("DTK_VIRTUAL_DEVICE", "(did you mean DTK_VIRTUAL_DEVICES?)"),
+    ("DTK_NONSENSE", "DTK_NONSENSE is set but dtk reads no such variable (dtk reads "
+                     "DTK_VIRTUAL_DEVICES,"),
+    ("DTK_REQUIRE_FULL_MNIST", None)])  # the test suite's own: known
+def test_an_unknown_dtk_variable_is_named_with_the_closest(name, want, monkeypatch):
+    """Issue 59: a misspelled variable was ignored without a word."""
+    monkeypatch.setenv(name, "1")
+    lines = [line for line in _env.unknown_names() if line.startswith(name + " ")]
+    if want is None:
+        assert not lines
+    else:
+        assert len(lines) == 1 and want in lines[0], lines
+        with pytest.warns(RuntimeWarning, match=re.escape(want)):
+            _env.check_all()
+
+
+def test_a_script_warns_of_an_unknown_dtk_variable_in_one_line():
+    res = subprocess.run([sys.executable, "scripts/train_mnist.py", "--explain_layouts"],
+                         capture_output=True, text=True, timeout=120, cwd=procs.REPO,
+                         env=procs.base_env(DTK_PLAN_CACH="/tmp/x"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.strip() == ("warning: DTK_PLAN_CACH is set but dtk reads no such variable "
+                                  "(did you mean DTK_PLAN_CACHE?)"), res.stderr[-2000:]
+
+
+def test_dtk_virtual_devices_too_few_names_the_variable():
+    """Issue 59: DTK_VIRTUAL_DEVICES=4 with a mesh of 8 was told to pass --virtual_devices."""
+    res = subprocess.run([sys.executable, "scripts/train_mnist.py", "--mesh", "batch=8",
+                          "--explain_layouts"], capture_output=True, text=True, timeout=120,
+                         cwd=procs.REPO, env=procs.base_env(DTK_VIRTUAL_DEVICES="4"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "DTK_VIRTUAL_DEVICES=4 is set in the environment (a launcher sets it per client); set " \
+           "it to 8 or unset it" in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name, value, phrase", ENV_CASES)

@@ -58,6 +58,10 @@ def _check_flags():
                  "eval_batches"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
+    if FLAGS.attention != "blockwise" and FLAGS.block_size is not None:
+        raise UsageError(f"--block_size {FLAGS.block_size} sets blockwise attention's key blocks, "
+                         f"but --attention is {FLAGS.attention!r}; add --attention blockwise, or "
+                         "drop --block_size")
     if FLAGS.attention == "blockwise" and FLAGS.block_size is not None and (
             FLAGS.block_size < 1 or FLAGS.seq_len % min(FLAGS.block_size, FLAGS.seq_len)):
         raise UsageError(f"--block_size {FLAGS.block_size} does not divide --seq_len "

@@ -43,6 +43,15 @@ flags.DEFINE_bool("sparse_tables", False, "Update only the touched rows of the s
 
 
 _SLOTS = {"adam": 2, "adagrad": 1, "sgd": 0}  # optimizer state per weight, for the plans
+# Shared flags this script defines and does not use: refused where given (cli.refuse_unused).
+UNUSED_FLAGS = {
+    "mixed_precision": "the recommender trains in float32 (its tables, MLPs and AUC)",
+    "remat": "the recommender has no block worth recomputing (small MLPs; each table is looked "
+             "up once)",
+    "shard_optimizer_state": "the sharded update is off here: the large tables are sharded on "
+                             "their rows already, and the MLPs are too small to split",
+    "plot": "the tables' planner prints its candidates (--explain_plan) and draws no chart",
+}
 
 
 def _table_sizes() -> tuple[int, ...]:
@@ -62,6 +71,7 @@ def _check_flags():
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")
     _table_sizes()
+    cli.refuse_unused(FLAGS, UNUSED_FLAGS, "train_recsys.py")
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
 
 

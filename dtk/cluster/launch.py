@@ -488,7 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if shutil.which(command[0]) is None:
             raise ValueError(f"command {command[0]!r} is not an executable file or on PATH; "
                              "give the program to run after '--', e.g. -- python train.py")
-        _env.check_all()
+        for line in _env.unknown_names():
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+        _env.check_all(warn_unknown=False)
     except ValueError as e:
         parser.error(str(e))
         return 2

@@ -350,8 +350,15 @@ def build_mesh(spec: MeshSpecLike, *, device_type: str = "auto",
     available = local_device_count(kind)
     if local_needed > available:
         where = f"per client ({clients} clients)" if clients > 1 else "in this process"
-        fix = (f"pass virtual_devices={local_needed} (--virtual_devices) before TensorFlow initializes"
-               if kind == "CPU" else f"use a mesh of at most {available * clients} devices")
+        if kind == "CPU" and _env.get_int(_env.VIRTUAL_DEVICES) is not None:
+            fix = (f"{_env.VIRTUAL_DEVICES}={_env.get_int(_env.VIRTUAL_DEVICES)} is set in the "
+                   f"environment (a launcher sets it per client); set it to {local_needed} or "
+                   f"unset it, or use a mesh of at most {available * clients} devices")
+        elif kind == "CPU":
+            fix = (f"pass virtual_devices={local_needed} (--virtual_devices) before TensorFlow "
+                   "initializes")
+        else:
+            fix = f"use a mesh of at most {available * clients} devices"
         raise ValueError(
             f"mesh {mesh_spec} needs {mesh_spec.num_devices} devices ({local_needed} {where}), but "
             f"only {available} {kind} device(s) exist {where}; {fix}")
