@@ -655,3 +655,18 @@ def test_train_recsys_bad_flags_are_one_error_line(flags, message):
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
     assert message in errors[0], errors[0]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("sizes, sharded", [("16,256,4096,65536", {"table2", "table3"}),
+                                            ("65536,16,4096,256", {"table0", "table2"}),
+                                            ("4096,65536", {"table0", "table1"})])
+def test_the_default_table_shards_the_largest_tables_whatever_their_order(sizes, sharded):
+    """Issue 59: the default table sharded tables 0 and 1 by position (the 16- and 256-row ones
+    of 16,256,4096,65536, replicating the 65,536-row table on every device)."""
+    res = subprocess.run([sys.executable, "scripts/train_recsys.py", "--table_sizes", sizes,
+                          "--explain_layouts"], capture_output=True, text=True, timeout=120,
+                         cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines() if line.startswith("table")]
+    got = {row[0].split(".")[0] for row in rows if "[batch," in " ".join(row)}
+    assert got == sharded, res.stdout

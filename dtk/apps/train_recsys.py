@@ -111,8 +111,11 @@ def _setup():
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
         table = planned.layout_table()
-    elif not FLAGS["layout"].present and "model" in spec.axis_names:
-        table = layouts.load_table("recsys")  # the tables' rows over `model`, not over `batch`
+    elif not FLAGS["layout"].present:
+        if "model" in spec.axis_names:
+            table = layouts.load_table("recsys")  # the tables' rows over `model`, not `batch`
+        table = _largest_sharded(layouts.load_table(table) if isinstance(table, str) else table,
+                                 sizes)
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
     dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
@@ -122,6 +125,35 @@ def _setup():
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=slots,
                                     shard_optimizer_state=False)
     return spec, mesh, table, factory, log, plan, memory
+
+
+# The default tables' rules: the two largest embedding tables sharded on their rows, the rest
+# replicated. Written for tables 0 and 1; the script names the largest by --table_sizes.
+_LARGEST_RULE, _SMALLER_RULE = r"table[01]\.embeddings", r"table([2-9]|\d\d+)\.embeddings"
+
+
+def _largest_sharded(table, sizes):
+    """The default table (``recsys``, ``recsys_batch_rows``) with its row-sharding rule on the
+    two largest tables of ``sizes``, whatever their order (``--table_sizes 16,256,4096,65536``
+    shards tables 3 and 2), and its replicated rule on the others."""
+    import dataclasses  # pylint: disable=g-import-not-at-top
+    order = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))
+    largest, rest = sorted(order[:2]), sorted(order[2:])
+
+    def names(ids):
+        return r"table(" + "|".join(map(str, ids)) + r")\.embeddings"
+
+    rules = []
+    for rule in table.rules:
+        if rule.pattern == _LARGEST_RULE:
+            rule = dataclasses.replace(rule, pattern=names(largest),
+                                       note=rule.note + " (the largest, from --table_sizes)")
+        elif rule.pattern == _SMALLER_RULE:
+            if not rest:
+                continue
+            rule = dataclasses.replace(rule, pattern=names(rest))
+        rules.append(rule)
+    return dataclasses.replace(table, rules=tuple(rules))
 
 
 def _plan_tables(sizes):
