@@ -356,7 +356,46 @@ API_CASES = [  # (id, call, exception, phrase)
         config=dtk.TrainerConfig(verbose=0, allow_change=("learning_rat",))).fit(
             _data(), epochs=1), ValueError,
      "allow_change (--allow_change) names setting(s) ['learning_rat']"),
+    # Issue 59: raw errors of the library API, each one clear line now.
+    ("string labels", lambda: _trainer().fit(input_lib.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices((np.zeros((64, 28, 28, 1), np.float32),
+                                            np.array([b"cat", b"dog"] * 32))), _mesh(),
+        input_lib.InputConfig(global_batch_size=32)), epochs=1), ValueError,
+     "labels are strings (e.g. b'cat'), not class ids"),
+    ("sequence axis is the batch axis", lambda: input_lib.DistributedDataset(
+        _ds(), _mesh(), input_lib.InputConfig(global_batch_size=32, sequence_axis="batch")),
+     ValueError, "InputConfig.sequence_axis 'batch' is the batch axis"),
+    ("export onto a file", lambda: _export_onto_a_file(), ValueError,
+     "export_dir '/dev/null' is a file; give a directory"),
+    ("table planned twice", lambda: __import__("dtk.planning.tables", fromlist=["x"]).plan_mesh(
+        [__import__("dtk.planning.tables", fromlist=["x"]).Table(path="t.embeddings", rows=64,
+                                                                 dim=8)] * 2,
+        8, global_batch_size=64), ValueError, "tables names ['t.embeddings'] more than once"),
+    ("distribute batch_size the axis cannot divide", lambda: _distributed().fit(
+        np.zeros((64, 28, 28, 1), np.float32), np.zeros(64, np.int64), batch_size=30,
+        verbose=0), ValueError,
+     "fit(batch_size=30): mesh axis 'batch' of size 8 cannot split it evenly"),
+    ("distribute run_eagerly", lambda: _distributed(run_eagerly=True), ValueError,
+     "compile(run_eagerly=True): a laid-out model's steps run as compiled functions"),
+    ("distribute a legacy optimizer", lambda: _distributed(
+        optimizer=tf_keras.optimizers.legacy.Adam()), ValueError,
+     "optimizer is a legacy optimizer (Adam), which cannot be bound to a DTensor mesh"),
+    ("distribute a mesh without a batch axis", lambda: dtk.distribute(
+        dtk.models.mnist_mlp, dtk.build_mesh("model=8")), ValueError, "'batch'"),
 ]
+
+
+def _distributed(**compile_kwargs):
+    model = dtk.distribute(dtk.models.mnist_mlp, _mesh())
+    compile_kwargs.setdefault("optimizer", "adam")
+    model.compile(loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  **compile_kwargs)
+    return model
+
+
+def _export_onto_a_file():
+    trainer = _trainer()
+    return trainer.export("/dev/null")
 
 
 @pytest.mark.parametrize("call, error, phrase", [c[1:] for c in API_CASES],

@@ -360,6 +360,11 @@ class DistributedDataset:
             raise ValueError(
                 f"global_batch_size ({config.global_batch_size}) is not divisible by mesh axis "
                 f"{config.batch_axis!r} (size {size}); use a multiple of {size}")
+        if config.sequence_axis is not None and config.sequence_axis == config.batch_axis:
+            raise ValueError(
+                f"InputConfig.sequence_axis {config.sequence_axis!r} is the batch axis: dim 0 "
+                "(the batch) is sharded over it already, and one mesh axis cannot shard two "
+                "dims of a tensor; name another axis (e.g. 'seq'), or None")
         if config.sequence_axis is not None and config.sequence_axis not in mesh.dim_names:
             raise ValueError(
                 f"InputConfig.sequence_axis {config.sequence_axis!r} is not an axis of the mesh "
@@ -521,6 +526,13 @@ class DistributedDataset:
                   f"the model has {classes} outputs and a sparse loss")
         for leaf in tf.nest.flatten(labels):
             leaf = np.asarray(leaf)
+            if leaf.dtype.kind not in "iuf":  # strings: '<' between bytes and int was raw
+                kind = "strings" if leaf.dtype.kind in "SUO" else f"{leaf.dtype} values"
+                raise ValueError(
+                    f"labels are {kind} (e.g. {leaf.flat[0]!r}), not class ids: a "
+                    f"sparse loss with {classes} classes ({source}) needs integers in "
+                    f"[0, {classes}). Map them to ids in the pipeline (e.g. "
+                    "tf_keras.layers.StringLookup(num_oov_indices=0) adapted on the labels)")
             bad = leaf[(leaf < 0) | (leaf >= classes)]
             if bad.size:
                 raise ValueError(

@@ -271,6 +271,11 @@ def plan_mesh(tables: Sequence[Table], devices: int, *, global_batch_size: int,
     if not tables:
         raise ValueError("tables is empty: give the model's embedding tables, e.g. "
                          "tables_of(profile.weights) (weights named '<layer>.embeddings')")
+    paths = [t.path for t in tables]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(f"tables names {twice} more than once: each table is placed once; give "
+                         "each of the model's tables one Table")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0 < budget < float("inf")):
         raise ValueError(f"budget must be None or a positive, finite number of bytes per device; "

@@ -56,6 +56,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.eager import context
 from tensorflow.python.ops import gen_io_ops
 
+from dtk import _env
 from dtk.cluster import env as cluster
 from dtk.parallel import layouts as layouts_lib
 from dtk.parallel import mesh as mesh_lib
@@ -746,6 +747,9 @@ def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
     """
     if isinstance(formats, str) or not formats or set(formats) - set(EXPORT_FORMATS):
         raise ValueError(f"formats={formats!r}: give a non-empty list of {list(EXPORT_FORMATS)}")
+    problem = _env.path_problem(export_dir, kind="dir")
+    if problem:  # an existing file raised a raw FileExistsError from os.makedirs
+        raise ValueError(f"export_dir {problem}")
     twin = plain_copy(model, model_factory, input_shape=input_shape)
     paths = {name: path for name, path in (("keras", os.path.join(export_dir, "model.keras")),
                                            ("saved_model", os.path.join(export_dir, "saved_model")))
