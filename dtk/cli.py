@@ -224,6 +224,17 @@ AUTO_MESH = "auto"
 DEFAULT_CPU_DEVICES = 8  # --mesh auto on CPU without --virtual_devices: as the default batch=8
 
 
+def devices_to_plan_for(values: Callable[[str], Any], kind: str) -> int:
+    """The devices ``--mesh auto`` plans for: every device of every client, as the mesh will
+    have them (``--virtual_devices``, else ``DTK_VIRTUAL_DEVICES`` a launcher sets per client,
+    else ``DEFAULT_CPU_DEVICES`` on CPU), the same on every client."""
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    virtual = values("virtual_devices")
+    if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:
+        virtual = DEFAULT_CPU_DEVICES
+    return mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
+
+
 def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input_dtype: str,
                     num_classes: int, table, remat_patterns, optimizer: str,
                     global_batch_size: int):
@@ -263,10 +274,7 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
         except ImportError:
             raise UsageError(f"--plot {values('plot')}: drawing the plan needs matplotlib: pip "
                              "install 'dtk-dtensor[bench]'") from None
-    virtual = values("virtual_devices")
-    if kind == "CPU" and virtual is None and _env.get_int(_env.VIRTUAL_DEVICES) is None:
-        virtual = DEFAULT_CPU_DEVICES
-    devices = mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
+    devices = devices_to_plan_for(values, kind)
     try:
         plan = planner.plan(factory, devices=devices, global_batch_size=global_batch_size,
                             device_memory_gb=values("device_memory_gb"), table=table,

@@ -670,3 +670,15 @@ def test_the_default_table_shards_the_largest_tables_whatever_their_order(sizes,
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith("table")]
     got = {row[0].split(".")[0] for row in rows if "[batch," in " ".join(row)}
     assert got == sharded, res.stdout
+
+
+def test_mesh_auto_plans_for_the_devices_that_exist():
+    """Issue 59: under DTK_VIRTUAL_DEVICES=4 (a launcher's 4 a client) --mesh auto planned for 8
+    devices a process and then failed; it plans for the 4 that exist."""
+    res = subprocess.run([sys.executable, "scripts/train_recsys.py", "--explain_plan"],
+                         capture_output=True, text=True, timeout=120, cwd=procs.REPO,
+                         env=procs.base_env(DTK_VIRTUAL_DEVICES="4"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    chosen = [line for line in res.stdout.splitlines() if line.startswith("chosen: ")]
+    assert chosen and chosen[0].split(":")[1].strip() in ("batch=4", "batch=2,model=2",
+                                                          "batch=1,model=4"), res.stdout[-2000:]

@@ -174,10 +174,9 @@ def _plan_tables(sizes):
         raise UsageError(f"--mesh auto and --explain_plan place the tables themselves; drop "
                          f"{', '.join(given)}, or give a mesh")
     kind = mesh_lib.resolve_device_type(FLAGS.device or "auto")
-    virtual = FLAGS.virtual_devices
-    if kind == "CPU" and virtual is None:
-        virtual = cli.DEFAULT_CPU_DEVICES
-    devices = mesh_lib.build_mesh("batch=-1", device_type=kind, virtual_devices=virtual).size
+    # the devices that exist, on every client alike (it planned for 8 a process under a
+    # 2 x 4 launch, then failed: issue 59)
+    devices = cli.devices_to_plan_for(lambda name: getattr(FLAGS, name, None), kind)
     # The rest of the model from a build with 2-row tables: its weights and layer widths.
     small = models.dlrm(table_sizes=(2,) * len(sizes), dim=FLAGS.dim)
     dense_bytes = sum(int(w.shape.num_elements()) * 4 for w in small.weights
