@@ -380,6 +380,9 @@ API_CASES = [  # (id, call, exception, phrase)
     ("distribute a legacy optimizer", lambda: _distributed(
         optimizer=tf_keras.optimizers.legacy.Adam()), ValueError,
      "optimizer is a legacy optimizer (Adam), which cannot be bound to a DTensor mesh"),
+    ("plan_layouts of a built model", lambda: layouts.plan_layouts(
+        "data_parallel", _mesh(), dtk.models.mnist_mlp()), TypeError,
+     "plan_layouts needs the model FACTORY (a function that builds the model"),
     ("distribute a mesh without a batch axis", lambda: dtk.distribute(
         dtk.models.mnist_mlp, dtk.build_mesh("model=8")), ValueError, "'batch'"),
 ]

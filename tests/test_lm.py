@@ -361,3 +361,33 @@ def test_train_lm_fsdp_at_width_trains_like_one_device(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     two = json.loads(summary.read_text())
     np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=1e-5)
+
+
+def test_a_changed_dropout_is_named_and_allowed_by_the_flag(tmp_path):
+    """Issue 59: --allow_change dropout was refused, and the refusal listed names such as
+    model.4:Dropout.rate; the LM script names them by its flag (TrainerConfig.setting_names)."""
+    mesh = dtk.build_mesh("batch=8")
+    x, y = _data()
+    names = (("model.*:Dropout.rate", "dropout"), ("model.*:MultiHeadAttention.dropout",
+                                                   "dropout"))
+
+    def fit(dropout, **config):
+        trainer = dtk.Trainer(
+            mesh=mesh, model=functools.partial(FACTORY, dropout=dropout),
+            layout="transformer_lm", allow_replicated=True, optimizer=_optimizer("adam", mesh),
+            loss="sparse_categorical_crossentropy",
+            config=dtk.TrainerConfig(seed=7, verbose=0, checkpoint_dir=str(tmp_path),
+                                     steps_per_execution=1, setting_names=names, **config))
+        data = input_lib.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((x.reshape(-1, 16), y.reshape(-1, 16))), mesh,
+            input_lib.InputConfig(global_batch_size=B))
+        trainer.fit(data, epochs=1 if dropout == 0.1 else 2)
+        return trainer
+
+    fit(0.1)
+    with pytest.raises(ValueError, match=r"other settings: dropout 0.1 -> 0.2\. .*--allow_change "
+                                         r"dropout;") as info:
+        fit(0.2)
+    assert "model." not in str(info.value)
+    resumed = fit(0.2, allow_change=("dropout",))
+    assert resumed.resume_changes == {"dropout": {"old": 0.1, "new": 0.2}}

@@ -228,6 +228,12 @@ def run() -> dict:
                                  restart_from_scratch=FLAGS.restart_from_scratch,
                                  allow_change=tuple(FLAGS.allow_change),
                                  settings={"corpus": FLAGS.text_file or "stdlib"},
+                                 # the model settings --dropout sets, named by the flag
+                                 setting_names=(("model.*:Dropout.rate", "dropout"),
+                                                ("model.*:MultiHeadAttention.dropout",
+                                                 "dropout"),
+                                                ("model.*:BlockwiseAttention.dropout",
+                                                 "dropout")),
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0,

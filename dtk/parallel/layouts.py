@@ -529,6 +529,11 @@ def plan_layouts(table: LayoutTable | str, mesh: dtensor.Mesh,
     ordinary variables (a subclassed model is built by one call on zeros of ``input_shape``).
     """
     mesh = as_mesh(mesh, "mesh")
+    if isinstance(model_factory, tf_keras.Model):  # callable, so Keras said "first argument"
+        raise TypeError(f"plan_layouts needs the model FACTORY (a function that builds the "
+                        f"model, e.g. dtk.models.mnist_mlp), not a built model "
+                        f"({type(model_factory).__name__} {model_factory.name!r}); pass the "
+                        "function that builds it")
     model, _ = _reference_model(model_factory, input_shape, mesh)
     return _plan_model(load_table(table), mesh, model, strict=strict,
                        allow_replicated=allow_replicated, fsdp=fsdp)

@@ -83,6 +83,23 @@ def settings(*, seed: int, optimizer: Any, model: tf_keras.Model, data: Any, mes
     return _plain(out)
 
 
+def named(record: Mapping[str, Any], names: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    """``record`` with the keys each ``(glob, name)`` matches replaced by ``name``: a script
+    names the model settings a flag sets by the flag (``("model.*:Dropout.rate", "dropout")``),
+    so a changed ``--dropout`` is reported, and allowed, as ``dropout``. The name's value is the
+    keys' common value, or the sorted list of their distinct values."""
+    import fnmatch  # pylint: disable=g-import-not-at-top
+    out = dict(record)
+    grouped: dict[str, list[Any]] = {}
+    for pattern, name in names:
+        for key in [k for k in out if fnmatch.fnmatchcase(k, pattern)]:
+            grouped.setdefault(name, []).append(out.pop(key))
+    for name, values in grouped.items():
+        distinct = sorted({json.dumps(v) for v in values})
+        out[name] = values[0] if len(distinct) == 1 else [json.loads(v) for v in distinct]
+    return out
+
+
 def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Every key whose value differs between two settings records: ``{key: (old, new)}``."""
     keys = sorted(set(old) | set(new))

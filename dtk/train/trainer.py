@@ -111,6 +111,9 @@ class TrainerConfig:
         in ``Trainer.resume_changes``.
       settings: more settings that shape the run, recorded in every checkpoint and compared on
         resume like dtk's own (a script adds its data source, e.g. ``{"dataset": "idx"}``).
+      setting_names: ``(glob, name)`` pairs: the recorded model settings a glob matches are
+        compared, reported and allowed as ``name`` (a script's flag: ``("model.*:Dropout.rate",
+        "dropout")`` makes ``--allow_change dropout`` work; ``dtk.train.resume.named``).
       fsdp: store weights, gradients and optimizer state sharded over the batch axis (ZeRO-3,
         ``dtk.parallel.fsdp``); weights are gathered for compute. Same numbers as without.
       remat: layer-name patterns whose activations are recomputed in the backward pass
@@ -142,6 +145,7 @@ class TrainerConfig:
     restart_from_scratch: bool = False
     allow_change: tuple[str, ...] = ()
     settings: Mapping[str, Any] | None = None
+    setting_names: tuple[tuple[str, str], ...] = ()
     fsdp: bool = False
     remat: tuple[str, ...] = ()
     gradient_accumulation_steps: int = 1
@@ -159,6 +163,12 @@ class TrainerConfig:
                           remat=tuple(self.remat), sparse_tables=self.sparse_tables)
 
     def __post_init__(self):
+        if not isinstance(self.setting_names, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                for p in self.setting_names):
+            raise ValueError(f"setting_names must be a tuple of (glob, name) string pairs, e.g. "
+                             f"(('model.*:Dropout.rate', 'dropout'),); got "
+                             f"{self.setting_names!r}")
         spe = self.steps_per_execution
         if spe != "auto" and (not isinstance(spe, int) or isinstance(spe, bool) or spe < 1):
             raise ValueError(f"steps_per_execution must be 'auto' or a positive integer; got {spe!r}")
@@ -416,10 +426,10 @@ class Trainer:
             self._check_data(validation_data, stacked=1)
         steps_per_epoch = train_data.num_batches
         self.history = History()
-        self._settings = resume_lib.settings(
+        self._settings = self._named(resume_lib.settings(
             seed=self.config.seed, optimizer=self.optimizer, model=self.model, data=train_data,
             mesh=",".join(f"{k}={v}" for k, v in mesh_lib.mesh_axis_sizes(self.mesh).items()),
-            num_clients=cluster.num_clients(), extra=self.config.settings)
+            num_clients=cluster.num_clients(), extra=self.config.settings))
         self._check_allow_change()  # a typo is refused now, not at a resume runs later
         epoch, skip = self._resume(steps_per_epoch)
         dropped = train_data.num_dropped
@@ -608,6 +618,9 @@ class Trainer:
                       epoch + 1, skip, self.global_step)
         return epoch, skip
 
+    def _named(self, record: dict[str, Any]) -> dict[str, Any]:
+        return resume_lib.named(record, self.config.setting_names)
+
     def _check_allow_change(self) -> None:
         """Every name in ``allow_change`` is a setting this run records (on a fresh run too).
 
@@ -634,7 +647,7 @@ class Trainer:
             _log.warning("checkpoint %s records no run settings (written by an older dtk): "
                          "changed flags cannot be detected on this resume", restored)
             return
-        diff = resume_lib.changes(saved, self._settings)
+        diff = resume_lib.changes(self._named(saved), self._settings)
         refused = {k: v for k, v in diff.items() if k not in resume_lib.FREE_KEYS
                    and not resume_lib.is_allowed(k, self.config.allow_change)}
         if refused:
