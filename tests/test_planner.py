@@ -419,3 +419,19 @@ def test_the_planner_counts_the_sequence_sharded_over_seq():
     odd = {c.label: c for c in _plan(functools.partial(long, seq_len=12), batch=8, lm=True,
                                      seq_len=12).candidates}
     assert odd["batch=1,seq=8 zero"].rejected == "sequence length 12 is not divisible by seq=8"
+
+
+def test_megatron_sequence_parallelism_on_an_indivisible_length_is_a_reason():
+    """Issue 59: seq_len 33 on batch=2,model=4 was chosen, a mesh whose sequence parallelism
+    (the sequence sharded over model) train_lm.py refuses; it is rejected with the reason, and
+    with FSDP (no sequence parallelism) it stays a candidate."""
+    odd = functools.partial(models.transformer_lm, vocab=256, seq_len=33, dim=64, heads=8,
+                            layers=2)
+    plan = _plan(odd, batch=2, lm=True, seq_len=33)
+    by = {c.label: c for c in plan.candidates}
+    assert by["batch=2,model=4 zero"].rejected == (
+        "sequence length 33 is not divisible by model=4, which shards the sequence (sequence "
+        "parallelism)")
+    model = int(dict(p.split("=") for p in plan.chosen.label.split()[0].split(","))
+                .get("model", 1))
+    assert model == 1 or "fsdp" in plan.chosen.label, plan.chosen.label

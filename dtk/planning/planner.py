@@ -579,15 +579,23 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                                          predicted_ms=None, rejected=(
                         f"global batch {global_batch_size} is not divisible by batch={b}")))
                     continue
+                why = None
                 if seq and sizes.get(seq, 1) > 1:
                     why = (f"sequence length {profile.sequence_length} is not divisible by "
                            f"{seq}={sizes[seq]}" if profile.sequence_length % sizes[seq] else
                            "FSDP with a sharded sequence fails inside DTensor"
                            if update == "fsdp" else None)
-                    if why:
-                        out.append(Candidate(**base, microbatches=1, memory={"total": 0},
-                                             predicted_ms=None, rejected=why))
-                        continue
+                split = _sequence_split(profile, table, sizes, fsdp=update == "fsdp")
+                if why is None and split and profile.sequence_length % split[1]:
+                    # Megatron's sequence parallelism shards it over the tensor-parallel axis
+                    # (dtk.parallel.sequence), which the model then refuses (issue 59)
+                    why = (f"sequence length {profile.sequence_length} is not divisible by "
+                           f"{split[0]}={split[1]}, which shards the sequence (sequence "
+                           "parallelism)")
+                if why:
+                    out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                         predicted_ms=None, rejected=why))
+                    continue
                 try:
                     plan = layouts.plan_weights(
                         table, _Axes(sizes), profile.weights,
