@@ -85,14 +85,15 @@ def test_a_budget_only_fsdp_fits_picks_fsdp():
 
 
 def test_a_budget_only_1x8_fits_picks_it():
-    # Weights dominate (a wide LM, few rows): only the model axis divides them all.
-    wide = functools.partial(models.transformer_lm, vocab=256, seq_len=4, dim=256, heads=8,
+    # Weights dominate (a wide LM, few rows): only the model axis divides them all. (seq_len 8:
+    # model=8 shards the sequence too, Megatron's sequence parallelism, so it must divide it.)
+    wide = functools.partial(models.transformer_lm, vocab=256, seq_len=8, dim=256, heads=8,
                              layers=2)
-    free = _plan(wide, batch=8, lm=True, seq_len=4)
+    free = _plan(wide, batch=8, lm=True, seq_len=8)
     one_by_eight = [c for c in free.candidates if c.mesh == "batch=1,model=8" and not c.remat][0]
     others = [c for c in free.candidates if c.mesh != "batch=1,model=8" and not c.rejected]
     assert all(c.memory["total"] > one_by_eight.memory["total"] for c in others)
-    p = _plan(wide, batch=8, lm=True, seq_len=4, gb=(one_by_eight.memory["total"] + 1) / 2 ** 30)
+    p = _plan(wide, batch=8, lm=True, seq_len=8, gb=(one_by_eight.memory["total"] + 1) / 2 ** 30)
     assert p.chosen.mesh == "batch=1,model=8"
     assert all(not c.fits for c in p.candidates if c.mesh != "batch=1,model=8")
 
