@@ -275,7 +275,7 @@ def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
                 f"{type(value).__name__} (not .legacy)")
         if getattr(value, "_mesh", None) is not None:
             continue
-        if value.iterations.numpy() if tf.executing_eagerly() else False:
+        if tf.executing_eagerly() and int(value.iterations.numpy()):
             raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "
                              "mesh; compile the laid-out model with a new optimizer")
         config = value.get_config()
