@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtk import _env
-from dtk.usage import ArgumentParser, parse_flags, run_app  # noqa: F401  (the scripts' entry)
+from dtk.usage import ArgumentParser, entry_point, parse_flags, run_app  # noqa: F401  (the scripts' entry)
 
 
 class UsageError(ValueError):

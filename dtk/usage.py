@@ -36,7 +36,7 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
     An unknown or malformed flag is one ``error:`` line that names it, with the closest flag
     names, and exit status 2 (absl's own parser prints ``FATAL Flags parsing error`` and exits 1).
     """
-    from absl import app, flags  # pylint: disable=g-import-not-at-top
+    from absl import flags  # pylint: disable=g-import-not-at-top
     values = flags.FLAGS
     options = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     asked = [a for a in options if a in _HELP_FLAGS]
@@ -60,7 +60,6 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
         lines = [line for line in str(e).splitlines() if line.strip()]
         print(f"error: {lines[0] if lines else type(e).__name__}; see --help", file=sys.stderr,
               flush=True)
-    del app
     sys.exit(2)
 
 
@@ -70,14 +69,22 @@ def run_app(main: Callable[[list[str]], Any], *, module: str | None = None) -> N
     app.run(main, flags_parser=lambda argv: parse_flags(argv, module=module))
 
 
+def entry_point(main: Callable[[list[str]], Any], module: str) -> Callable[[], None]:
+    """The console-script function of an application module (``dtk-train-mnist``, ...), also
+    what ``python scripts/<name>.py`` calls: ``run_app(main)`` with the module's own flags in
+    ``--help`` (``module``: the module's ``__name__``)."""
+    return lambda: run_app(main, module=None if module == "__main__" else module)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` with dtk's conventions: a mistake is one ``error:`` line (an unknown option
     with the closest option names) and exit status 2; ``--help`` exits 0 as usual."""
 
     def error(self, message: str):  # type: ignore[override]
         hint = ""
-        if message.startswith("unrecognized arguments:"):
-            first = message.split(":", 1)[1].split()[0] if message.split(":", 1)[1].split() else ""
+        given = message.split(":", 1)[1].split() if ":" in message else []
+        if message.startswith("unrecognized arguments:") and given:
+            first = given[0]
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             hint = closest(first, known)
         print(f"error: {self.prog}: {message}{hint}; see --help", file=sys.stderr, flush=True)

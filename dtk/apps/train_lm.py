@@ -298,10 +298,8 @@ def main(argv):
 
 
 
-def entry() -> None:
-    """``dtk-train-lm`` (a console script) and ``python scripts/train_lm.py``: parses the flags (an unknown
-    one is an ``error:`` line and exit status 2; ``--help`` exits 0) and runs ``main``."""
-    cli.run_app(main, module=None if __name__ == "__main__" else __name__)
+# ``dtk-train-lm`` (a console script) and ``python scripts/train_lm.py``
+entry = cli.entry_point(main, __name__)
 
 
 if __name__ == "__main__":

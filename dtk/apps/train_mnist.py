@@ -253,10 +253,8 @@ def main(argv):
 
 
 
-def entry() -> None:
-    """``dtk-train-mnist`` (a console script) and ``python scripts/train_mnist.py``: parses the flags (an unknown
-    one is an ``error:`` line and exit status 2; ``--help`` exits 0) and runs ``main``."""
-    cli.run_app(main, module=None if __name__ == "__main__" else __name__)
+# ``dtk-train-mnist`` (a console script) and ``python scripts/train_mnist.py``
+entry = cli.entry_point(main, __name__)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,11 @@ def _largest_sharded(table, sizes):
     def names(ids):
         return r"table(" + "|".join(map(str, ids)) + r")\.embeddings"
 
+    patterns = {rule.pattern for rule in table.rules}
+    if not {_LARGEST_RULE, _SMALLER_RULE} <= patterns:  # the table's rules were edited
+        raise RuntimeError(f"layout table {table.name!r} no longer has the rules "
+                           f"{_LARGEST_RULE!r} and {_SMALLER_RULE!r} that train_recsys.py points "
+                           "at the largest tables; update _LARGEST_RULE/_SMALLER_RULE with it")
     rules = []
     for rule in table.rules:
         if rule.pattern == _LARGEST_RULE:
@@ -285,10 +290,8 @@ def main(argv):
 
 
 
-def entry() -> None:
-    """``dtk-train-recsys`` (a console script) and ``python scripts/train_recsys.py``: parses the flags (an unknown
-    one is an ``error:`` line and exit status 2; ``--help`` exits 0) and runs ``main``."""
-    cli.run_app(main, module=None if __name__ == "__main__" else __name__)
+# ``dtk-train-recsys`` (a console script) and ``python scripts/train_recsys.py``
+entry = cli.entry_point(main, __name__)
 
 
 if __name__ == "__main__":

@@ -306,10 +306,8 @@ def main(argv):
 
 
 
-def entry() -> None:
-    """``dtk-tune-mnist`` (a console script) and ``python scripts/tune_mnist.py``: parses the flags (an unknown
-    one is an ``error:`` line and exit status 2; ``--help`` exits 0) and runs ``main``."""
-    cli.run_app(main, module=None if __name__ == "__main__" else __name__)
+# ``dtk-tune-mnist`` (a console script) and ``python scripts/tune_mnist.py``
+entry = cli.entry_point(main, __name__)
 
 
 if __name__ == "__main__":
