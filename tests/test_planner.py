@@ -436,3 +436,18 @@ def test_megatron_sequence_parallelism_on_an_indivisible_length_is_a_reason():
     model = int(dict(p.split("=") for p in plan.chosen.label.split()[0].split(","))
                 .get("model", 1))
     assert model == 1 or "fsdp" in plan.chosen.label, plan.chosen.label
+
+
+def test_dtk_own_recommender_is_planned_through_the_library(tmp_path):
+    """dtk.plan on a model with named inputs (it raised Keras's "Layer 'top' expects 2 input(s)":
+    the planner fed one tensor): each input's shape and dtype come from the model, the timed
+    steps draw each input (ids in range) with 0/1 labels and binary cross-entropy for the one
+    logit, on every variant the calibration times (microbatches of a dict included)."""
+    factory = functools.partial(models.dlrm, table_sizes=(64, 16), bottom=(8,), top=(8,), dim=4)
+    profile = planner.profile_model(factory)
+    assert profile.input_shape == {"dense": (8,), "ids": (2,)}
+    assert profile.input_dtype == {"dense": "float32", "ids": "int32"}
+    p = planner.plan(factory, devices=8, global_batch_size=32, table="recsys", machine=MACHINE,
+                     cache=str(tmp_path / "cache.json"))
+    assert p.chosen.rejected is None and p.chosen.fits
+    assert len(p.step.measured_ms) >= 4 and all(ms > 0 for ms in p.step.measured_ms)

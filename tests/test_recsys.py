@@ -682,3 +682,21 @@ def test_mesh_auto_plans_for_the_devices_that_exist():
     chosen = [line for line in res.stdout.splitlines() if line.startswith("chosen: ")]
     assert chosen and chosen[0].split(":")[1].strip() in ("batch=4", "batch=2,model=2",
                                                           "batch=1,model=4"), res.stdout[-2000:]
+
+
+def test_dict_features_accumulate_microbatches_like_one_batch():
+    """Gradient accumulation on a model with a dict of inputs (it read ``batch[0].shape`` of the
+    dict and failed): 2 microbatches give the whole batch's losses."""
+    mesh = dtk.build_mesh("batch=4,model=2")
+    log = clicks.ClickLog(SMALL)
+    losses = {}
+    for k in (1, 2):
+        data = input_lib.DistributedDataset(log.dataset("train", 4 * B), mesh,
+                                            input_lib.InputConfig(global_batch_size=B))
+        trainer = dtk.Trainer(mesh=mesh, model=FACTORY, layout="recsys",
+                              optimizer=dtk.make_optimizer("adagrad", mesh, learning_rate=0.1),
+                              loss="binary_crossentropy",
+                              config=dtk.TrainerConfig(seed=7, verbose=0,
+                                                       gradient_accumulation_steps=k))
+        losses[k] = trainer.fit(data, epochs=2).history["loss"]
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)

@@ -129,8 +129,8 @@ class ModelProfile:
 
     weights: tuple[tuple[str, tuple[int, ...], str], ...]
     layers: tuple[LayerProfile, ...]
-    input_shape: tuple[int, ...] = ()
-    input_dtype: str = "float32"
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] = ()  # a dict: named inputs
+    input_dtype: str | dict[str, str] = "float32"
     outputs: int = 1  # the last dim of the output: the label range of the timed steps
     # The sequence (dtk.parallel.sequence): its length where the model marks it (0: no sequence
     # layers), and each attention layer's (name, key/value input elements per example,
@@ -227,6 +227,32 @@ def _blocks_working_set(layer, name: str, query, value, weights) -> LayerProfile
                         itemsize=query.dtype.size, weights=weights)
 
 
+def _shape_tuple(shape):
+    """One example's shape as a tuple, or a dict of them for a model with named inputs."""
+    if isinstance(shape, dict):
+        return {k: tuple(int(d) for d in v) for k, v in shape.items()}
+    return tuple(int(d) for d in shape)
+
+
+def _zeros(shape, dtype):
+    """One example of zeros: a tensor, or a dict of them for a model with named inputs."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if isinstance(shape, dict):
+        return {k: tf.zeros([1, *v], dtype[k] if isinstance(dtype, dict) else dtype)
+                for k, v in _shape_tuple(shape).items()}
+    return tf.zeros([1, *_shape_tuple(shape)], dtype)
+
+
+def _build_shape(shape):
+    """What ``build_model`` takes as ``input_shape``: a named-input (functional) model is built
+    by its factory and needs none."""
+    return None if isinstance(shape, dict) else shape
+
+
+def _build_dtype(dtype):
+    return "float32" if isinstance(dtype, dict) else dtype
+
+
 def _identity_layers():
     from dtk.parallel import sequence  # pylint: disable=g-import-not-at-top
     return (sequence.SequenceSharding, sequence.SequenceGather)
@@ -247,9 +273,20 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
             raise ValueError(
                 f"input_shape is needed: model {model.name!r} has no input spec (a subclassed "
                 "model); pass input_shape= (one example's shape) and input_dtype=")
-        input_shape = input_shape or tuple(int(d) for d in inputs[0].shape[1:])
-        input_dtype = input_dtype or inputs[0].dtype.name
-    example = tf.zeros([1, *(int(d) for d in input_shape)], input_dtype)
+        nested = getattr(model, "_nested_inputs", None)
+        if isinstance(nested, dict) and len(inputs) > 1:  # named inputs (the recommender's)
+            input_shape = input_shape or {k: tuple(int(d) for d in t.shape[1:])
+                                          for k, t in nested.items()}
+            input_dtype = input_dtype or {k: t.dtype.name for k, t in nested.items()}
+        elif len(inputs) > 1:
+            raise ValueError(
+                f"model {model.name!r} takes {len(inputs)} inputs as a list; the planner times "
+                "its step on random inputs by name: give the model named inputs "
+                "(tf_keras.Model({'a': ..., 'b': ...}, outputs)), as dtk.models.dlrm does")
+        else:
+            input_shape = input_shape or tuple(int(d) for d in inputs[0].shape[1:])
+            input_dtype = input_dtype or inputs[0].dtype.name
+    example = _zeros(input_shape, input_dtype)
     if not model.built:
         model(example)
     paths = layouts.weight_paths(model)
@@ -314,7 +351,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
             del layer.call
     weights = tuple((p, tuple(int(s) for s in v.shape), v.dtype.name) for p, v in paths)
     return ModelProfile(weights=weights, layers=tuple(records.values()),
-                        input_shape=tuple(int(d) for d in input_shape), input_dtype=input_dtype,
+                        input_shape=_shape_tuple(input_shape), input_dtype=input_dtype,
                         outputs=int(model.output_shape[-1]), sequence_length=sequence_length[0],
                         attention=tuple(attention.values()))
 
@@ -800,8 +837,10 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     rng = np.random.default_rng(0)
 
     def step_fn(rows: int, remat: Sequence[str] = (), k: int = 1, fsdp: bool = False):
-        model, _ = layouts.build_model(model_factory, mesh, table, seed=0, input_shape=input_shape,
-                                       input_dtype=input_dtype, allow_replicated=True, fsdp=fsdp)
+        model, _ = layouts.build_model(model_factory, mesh, table, seed=0,
+                                       input_shape=_build_shape(input_shape),
+                                       input_dtype=_build_dtype(input_dtype),
+                                       allow_replicated=True, fsdp=fsdp)
         step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh,
                            config=steps.StepConfig(remat=tuple(remat),
                                                    gradient_accumulation_steps=k))
@@ -884,7 +923,8 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
         # One build for both batch sizes (each is traced once): a second build would hold a
         # second copy while the first is released.
         model, _ = layouts.build_model(
-            model_factory, mesh, table, seed=0, input_shape=input_shape, input_dtype=input_dtype,
+            model_factory, mesh, table, seed=0, input_shape=_build_shape(input_shape),
+            input_dtype=_build_dtype(input_dtype),
             allow_replicated=True, fsdp=on.update == "fsdp")
         step = steps.Steps(model, loss=loss, optimizer=optimizer, mesh=mesh, config=steps.StepConfig(
             remat=remat, gradient_accumulation_steps=k,
@@ -962,12 +1002,21 @@ def _random_batch(rng, mesh, rows: int, input_shape: Sequence[int], input_dtype:
     are drawn from the label range too)."""
     import numpy as np  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
-    shape = [rows, *input_shape]
-    if "int" in input_dtype:
-        x = rng.integers(0, num_classes, shape).astype(input_dtype)
+    def draw(one_shape, dtype):
+        shape = [rows, *one_shape]
+        if "int" in dtype:
+            return rng.integers(0, num_classes, shape).astype(dtype)
+        return rng.standard_normal(shape).astype(dtype)
+
+    if isinstance(input_shape, dict):  # named inputs
+        x = {k: draw(v, input_dtype[k] if isinstance(input_dtype, dict) else input_dtype)
+             for k, v in input_shape.items()}
     else:
-        x = rng.standard_normal(shape).astype(input_dtype)
-    y = rng.integers(0, num_classes, [rows, *output_shape[1:-1]]).astype(np.int64)
+        x = draw(input_shape, input_dtype)
+    if output_shape[-1] == 1:  # one logit: 0/1 labels of the output's shape
+        y = rng.integers(0, 2, [rows, *output_shape[1:]]).astype(np.float32)
+    else:
+        y = rng.integers(0, num_classes, [rows, *output_shape[1:-1]]).astype(np.int64)
     return input_lib.pack(mesh, (x, y, np.ones(rows, np.float32)))
 
 
@@ -1038,7 +1087,7 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
          global_batch_size: int, device_memory_gb: float | None = None, table=None,
          input_shape: Sequence[int] | None = None, input_dtype: str | None = None,
          num_classes: int | None = None,
-         loss: Any = "sparse_categorical_crossentropy", optimizer: Any = "adamw",
+         loss: Any = None, optimizer: Any = "adamw",
          remat_patterns: Sequence[str] = (), device_type: str = "auto",
          cache: str | None = None, refresh: bool = False,
          machine: MachineCalibration | None = None,
@@ -1056,7 +1105,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
         timed steps train on random data of that shape (integer inputs, token ids, are drawn
         from the label range too). Default: the model's input spec and the last dim of its
         output.
-      loss, optimizer: what the timed steps train with.
+      loss, optimizer: what the timed steps train with (loss default: binary cross-entropy for
+        a model with one output, a click model's logit; else sparse categorical).
       remat_patterns: the model's blocks, as for ``TrainerConfig(remat=...)``; without them remat
         is not a candidate.
       device_type: as for ``build_mesh``.
@@ -1096,10 +1146,12 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
         except (re.error, TypeError) as e:
             raise ValueError(f"remat_patterns: {pattern!r} is not a regular expression: {e}") \
                 from None
-    if input_shape is not None and (isinstance(input_shape, (str, bytes)) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in input_shape)):
-        raise ValueError(f"input_shape must be one example's shape as positive integers, without "
-                         f"the batch dim (e.g. (28, 28, 1)); got {input_shape!r}")
+    for shape in (input_shape.values() if isinstance(input_shape, dict) else [input_shape]):
+        if shape is not None and (isinstance(shape, (str, bytes)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise ValueError(
+                f"input_shape must be one example's shape as positive integers, without the batch "
+                f"dim (e.g. (28, 28, 1)), or a dict of them by input name; got {input_shape!r}")
     table = layouts.load_table(table or "data_parallel")
     kind = mesh_lib.resolve_device_type(device_type)
     if devices is not None and kind == "CPU" and not mesh_lib.is_tensorflow_initialized() \
@@ -1112,6 +1164,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
     profile = profile_model(model_factory, input_shape, input_dtype=input_dtype)
     input_shape, input_dtype = profile.input_shape, profile.input_dtype
     num_classes = num_classes or profile.outputs
+    if loss is None:
+        loss = "binary_crossentropy" if profile.outputs == 1 else "sparse_categorical_crossentropy"
     names = {part for layer in profile.layers for part in layer.name.split("/")}
     for pattern in remat_patterns:
         if not any(re.fullmatch(pattern, name) for name in names):

@@ -528,16 +528,17 @@ class Steps:
         split moves no example between devices. Metrics are updated per microbatch (sums, so
         the same as one update on the whole batch).
         """
-        check_accumulation(int(batch[0].shape[0]), self.mesh, k, self.config.batch_axis)
+        check_accumulation(int(tf.nest.flatten(batch[0])[0].shape[0]), self.mesh, k,
+                           self.config.batch_axis)
 
         def split(t):
             rows = t.shape[0]
             return tf.reshape(t, [rows // k, k, *t.shape[1:]])
 
-        parts = tuple(split(t) for t in batch)
+        parts = tf.nest.map_structure(split, tuple(batch))  # features may be a dict
 
         def body(j, total, penalty, *acc):
-            micro = tuple(tf.gather(t, j, axis=1) for t in parts)
+            micro = tf.nest.map_structure(lambda t: tf.gather(t, j, axis=1), parts)
             with randomness.microbatch_scope(k, j):
                 part_total, grads, predictions, part_penalty = self._forward_backward(
                     micro, count, variables, extra_losses_scale=1.0 / k)
