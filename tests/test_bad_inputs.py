@@ -464,6 +464,53 @@ except ValueError as e:
                      res.stdout), res.stdout[-2000:]
 
 
+def test_an_id_outside_a_row_sharded_table_is_one_clear_error():
+    """An id beyond a row-sharded table's rows (issue 59: predict raised a raw
+    InvalidArgumentError, and fit with sparse tables a raw CancelledError while it formatted its
+    own message): one error naming the layer, its rows, the ids and the fix, for the Trainer's
+    fit (dense and sparse updates) and predict, and Keras's predict on a dtk.distribute model.
+    In its own process: a failed DTensor step cancels the collectives."""
+    code = """
+import functools, numpy as np, tensorflow as tf, tf_keras
+import tests.conftest
+import dtk
+from dtk.data import input as input_lib
+mesh = dtk.build_mesh("batch=4,model=2")
+factory = functools.partial(dtk.models.dlrm, table_sizes=(64, 32), bottom=(8,), top=(8,), dim=4)
+x = {"dense": np.zeros((64, 8), np.float32), "ids": np.zeros((64, 2), np.int32)}
+x["ids"][5, 0] = 100
+y = np.zeros((64, 1), np.float32)
+def data():
+    return input_lib.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), mesh,
+                                        input_lib.InputConfig(global_batch_size=32))
+def trainer(sparse):
+    return dtk.Trainer(mesh=mesh, model=factory, layout="recsys", loss="binary_crossentropy",
+                       optimizer=dtk.make_optimizer("adagrad", mesh, learning_rate=0.1),
+                       config=dtk.TrainerConfig(verbose=0, sparse_tables=sparse))
+def keras_predict():
+    model = dtk.distribute(factory, mesh, layout="recsys")
+    model.compile(optimizer="adagrad", loss="binary_crossentropy")
+    model.predict(x, batch_size=32, verbose=0)
+for name, call in [("fit", lambda: trainer(False).fit(data(), epochs=1)),
+                   ("sparse fit", lambda: trainer(True).fit(data(), epochs=1)),
+                   ("predict", lambda: trainer(False).predict(data())),
+                   ("keras predict", keras_predict)]:
+    try:
+        call()
+        print("NO ERROR", name)
+    except Exception as e:
+        print("ERROR", name, type(e).__name__, str(e).replace(chr(10), " "))
+"""
+    res = procs.run_python(code, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [l for l in res.stdout.splitlines() if l.startswith(("ERROR", "NO ERROR"))]
+    assert len(lines) == 4, res.stdout[-3000:]
+    for line in lines:
+        assert "an id is outside the rows of Embedding table0 (its table has 64 rows, sharded " \
+               "on them over mesh axis model): ids must be in [0, 64); give the layer " \
+               "input_dim above the largest id" in line and "[100]" in line, line
+
+
 def test_unmatched_rules_are_logged(caplog):
     table = layouts.load_table("mlp_model_parallel")
     renamed = lambda: tf_keras.Sequential([  # noqa: E731  (layers not named d1, d2)

@@ -668,8 +668,11 @@ def row_sharded_table(layer: tf_keras.layers.Embedding) -> dtensor.Layout | None
     return layout if layout.sharding_specs[0] != dtensor.UNSHARDED else None
 
 
+ID_OUTSIDE = "an id is outside the rows of"  # the start of the lookup's error (tests read it)
+
+
 def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
-                       batch_axis: str | None) -> tf.Tensor:
+                       batch_axis: str | None, *, name: str = "") -> tf.Tensor:
     """``tf.gather(table, ids)`` for a table sharded on its rows, from ops DTensor lays out.
 
     DTensor's ResourceGather refuses a table sharded on dim 0 ("does not support sharded 0th
@@ -687,6 +690,7 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
       ids: integer ids of any shape, batch-sharded on ``batch_axis`` (None: replicated).
       layout: the table's layout; ``sharding_specs[0]`` is the axis its rows are sharded on.
       batch_axis: the mesh's batch axis, which shards the ids' dim 0.
+      name: the Embedding layer's name, for the error on an id outside the table.
 
     Returns:
       ``[*ids.shape, dim]``, as ``tf.gather(table, ids)``.
@@ -703,9 +707,11 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
     ids = dtensor.relayout(ids, dtensor.Layout(ids_specs, mesh))
     # An id outside the table would find no owner and look up zeros; plain Keras fails on it.
     in_range = tf.reduce_all(tf.logical_and(ids >= 0, ids < rows))
-    checked = tf.debugging.Assert(in_range, [f"an id is outside [0, {rows}) of an Embedding "
-                                             "table sharded on its rows", tf.reduce_min(ids),
-                                             tf.reduce_max(ids)], summarize=2)
+    checked = tf.debugging.Assert(in_range, [
+        f"{ID_OUTSIDE} Embedding {name or 'table'} (its table has {rows} rows, sharded on them "
+        f"over mesh axis {rows_axis}): ids must be in [0, {rows}); give the layer input_dim "
+        "above the largest id, or map the ids into range (e.g. hashing). The smallest "
+        "and largest ids of the batch:", tf.reduce_min(ids), tf.reduce_max(ids)], summarize=2)
     with tf.control_dependencies([checked]):
         ids = tf.identity(ids)
     value = dtensor.relayout(tf.convert_to_tensor(table), layout)
@@ -737,7 +743,8 @@ def _row_sharded_embedding_call(self, inputs):
     if inputs.dtype not in (tf.int32, tf.int64):
         inputs = tf.cast(inputs, tf.int32)
     layout = self._dtk_table_layout  # pylint: disable=protected-access
-    out = row_sharded_lookup(self.embeddings, inputs, layout, self._dtk_batch_axis)  # pylint: disable=protected-access
+    out = row_sharded_lookup(self.embeddings, inputs, layout, self._dtk_batch_axis,  # pylint: disable=protected-access
+                             name=self.name)
     if getattr(self, "_dtk_sparse", False):  # dtk.train.sparse differentiates w.r.t. the output
         self._dtk_lookups.append((inputs, out))  # pylint: disable=protected-access
     if self._dtype_policy.compute_dtype != self._dtype_policy.variable_dtype:  # pylint: disable=protected-access

@@ -487,8 +487,13 @@ class Trainer:
             if unsupported:
                 raise ValueError(unsupported) from e
             # DTensor runs steps asynchronously: the failure may surface a step or two later.
-            raise ValueError(f"a step failed in epoch {epoch + 1}, at or before step "
-                             f"{self.global_step + 1}: {first_line(e)}{_RESTART_NOTE}") from e
+            try:
+                where = f", at or before step {self.global_step + 1}"
+            except tf.errors.OpError:  # the failed step poisoned the step counter too
+                context.async_clear_error()
+                where = ""
+            raise ValueError(f"a step failed in epoch {epoch + 1}{where}: {first_line(e)}"
+                             f"{_RESTART_NOTE}") from e
 
     def _epoch_items(self, data, epoch, skip):
         """The epoch's items; under ``steps_per_execution="auto"``, re-stacked as it decides.
@@ -714,11 +719,15 @@ class Trainer:
         several outputs (padding of the last batch removed)."""
         self._check_data(data, stacked=1)
         outputs = []
-        for batch in data.epoch(0):
-            features, _, weights = batch
-            keep = ckpt_lib.global_value(weights) > 0
-            outputs.append(tf.nest.map_structure(
-                lambda out: ckpt_lib.global_value(out)[keep], self.steps.predict(features)))
+        try:
+            for batch in data.epoch(0):
+                features, _, weights = batch
+                keep = ckpt_lib.global_value(weights) > 0
+                outputs.append(tf.nest.map_structure(
+                    lambda out: ckpt_lib.global_value(out)[keep], self.steps.predict(features)))
+        except tf.errors.OpError as e:
+            context.async_clear_error()
+            raise ValueError(f"prediction failed: {first_line(e)}") from e
         if not outputs:
             return np.zeros((0,))
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
