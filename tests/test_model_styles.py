@@ -40,7 +40,24 @@ class SubclassedMLP(tf_keras.Model):
         return self.d2(self.d1(self.flatten(x)))
 
 
-STYLES = {"sequential": sequential, "functional": functional, "subclassed": SubclassedMLP}
+def subclassed_built():
+    """A subclassed model its factory builds itself (keras.io's ``model.build(shape)``)."""
+    model = SubclassedMLP()
+    model.build((None, 28, 28, 1))
+    return model
+
+
+def subclassed_called_on_input():
+    """A subclassed model its factory calls on a symbolic ``Input`` (it failed in DTensor's
+    FetchLayout: the weights stayed lazy, issue 59)."""
+    model = SubclassedMLP()
+    model(tf_keras.Input((28, 28, 1)))
+    return model
+
+
+STYLES = {"sequential": sequential, "functional": functional, "subclassed": SubclassedMLP,
+          "subclassed_built": subclassed_built,
+          "subclassed_called_on_input": subclassed_called_on_input}
 
 
 def _data():

@@ -730,6 +730,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
             model = model_factory()
             if not model.built:
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
+            else:  # a subclassed model the factory built itself (build(), or a call on Input)
+                _map_lazy_variables(model, layout_map)
             _lay_out_autocast_variables(model, layout_map)
     finally:
         if not user_rng:
@@ -1067,6 +1069,16 @@ def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, inpu
         keras_layout_map._map_subclass_model_variable(model, layout_map)  # pylint: disable=protected-access
     finally:
         model._layout_map = saved  # pylint: disable=protected-access
+
+
+def _map_lazy_variables(model: tf_keras.Model, layout_map: _PlannedLayoutMap) -> None:
+    """Replaces the lazy variables of a subclassed model that its factory built itself
+    (``model.build(shape)``, or a call on ``tf_keras.Input``: the weights were made under the
+    layout scope as lazy variables, which tf_keras maps only when it builds the model itself)
+    by DTensor variables laid out as planned. A Functional or Sequential model has none left."""
+    from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    if any(keras_layout_map._is_lazy_init_variable(v) for v in model.weights):  # pylint: disable=protected-access
+        keras_layout_map._map_subclass_model_variable(model, layout_map)  # pylint: disable=protected-access
 
 
 def _lay_out_autocast_variables(model: tf_keras.Model, layout_map: _PlannedLayoutMap) -> None:
