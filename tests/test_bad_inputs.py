@@ -538,3 +538,391 @@ def test_malformed_dtensor_cluster_variables_are_one_line(monkeypatch, jobs, cli
     with pytest.raises(ValueError) as info:
         cluster.check_environment()
     assert phrase in str(info.value), str(info.value)
+
+
+# -- dtk.distribute: Keras's own compile/fit/evaluate/predict on the mesh (issues 58, 59) --------
+# Each row: (id, call, outcome, expected). Outcomes:
+#   clear    - an error of the given type whose message names the argument and the fix (dtk's,
+#              or Keras's own where plain Keras raises the same clear error);
+#   refused  - something plain Keras accepts that dtk refuses before any step, with the reason;
+#   accepted - runs as Keras runs it; ``expected`` checks the result (numbers equal to plain
+#              tf_keras at 1e-5 where a plain run is cheap).
+_DX = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+_DY = np.random.default_rng(1).integers(0, 3, 64).astype(np.int64)
+_SCE = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _small():
+    return tf_keras.Sequential([tf_keras.Input((4,)),
+                                tf_keras.layers.Dense(8, activation="relu", name="h"),
+                                tf_keras.layers.Dense(3, name="out")])
+
+
+def _named():
+    a, b = tf_keras.Input((4,), name="a"), tf_keras.Input((2,), name="b")
+    return tf_keras.Model({"a": a, "b": b},
+                          tf_keras.layers.Dense(3)(tf_keras.layers.Concatenate()([a, b])))
+
+
+class _Sub(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.d = tf_keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.d(x)
+
+
+class _SwapOptimizer(tf_keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.optimizer = tf_keras.optimizers.SGD(0.1)
+
+
+def _dm(factory=_small, *, mesh="batch=8", **compile_kwargs):
+    model = dtk.distribute(factory, dtk.build_mesh(mesh), seed=0)
+    compile_kwargs.setdefault("optimizer", "adam")
+    compile_kwargs.setdefault("loss", _SCE)
+    model.compile(**compile_kwargs)
+    return model
+
+
+def _plain(factory=_small, **compile_kwargs):
+    tf_keras.utils.set_random_seed(0)
+    model = factory()
+    compile_kwargs.setdefault("optimizer", "adam")
+    compile_kwargs.setdefault("loss", _SCE)
+    model.compile(**compile_kwargs)
+    return model
+
+
+def _dfit(model=None, **kwargs):
+    model = model or _dm()
+    kwargs.setdefault("batch_size", 16)
+    kwargs.setdefault("verbose", 0)
+    kwargs.setdefault("epochs", 1)
+    kwargs.setdefault("shuffle", False)
+    x, y = kwargs.pop("x", _DX), kwargs.pop("y", _DY)
+    return model.fit(x, y, **kwargs)
+
+
+def _same_as_plain(compile_kwargs=None, **fit_kwargs):
+    """Keras's fit on batch=8 and plain tf_keras's give the same history (1e-5)."""
+    compile_kwargs = compile_kwargs or {}
+    factory = compile_kwargs.pop("factory", _small)
+    make = lambda: {k: (v() if callable(v) and k == "optimizer" else v)  # noqa: E731
+                    for k, v in compile_kwargs.items()}
+    ours = _dfit(_dm(factory, **make()), **dict(fit_kwargs)).history
+    theirs = _dfit(_plain(factory, **make()), **dict(fit_kwargs)).history
+    assert ours.keys() == theirs.keys(), (ours, theirs)
+    for key in ours:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    return True
+
+
+def _tmp(name):
+    import tempfile  # pylint: disable=import-outside-toplevel
+    return os.path.join(tempfile.mkdtemp(), name)
+
+
+def _checkpoint_then_load(name, **kwargs):
+    path = _tmp(name)
+    _dfit(callbacks=[tf_keras.callbacks.ModelCheckpoint(path, **kwargs)])
+    return os.path.exists(path)
+
+
+def _saved_loads_in_plain_keras(name):
+    model = _dm()
+    _dfit(model)
+    path = _tmp(name)
+    model.save(path)
+    loaded = tf_keras.models.load_model(path, compile=False)
+    np.testing.assert_allclose(loaded.predict(_DX[:8], verbose=0),
+                               model.predict(_DX[:8], verbose=0), rtol=1e-6)
+    return True
+
+
+def _lr_after(callback, epochs):
+    model = _dm()
+    history = _dfit(model, epochs=epochs, callbacks=[callback]).history
+    return history["lr"], float(model.optimizer.learning_rate.numpy())
+
+
+DS = tf.data.Dataset.from_tensor_slices((_DX, _DY))
+
+DISTRIBUTE_CASES = [
+    # dtk.distribute's own arguments
+    ("factory is a built model", lambda: dtk.distribute(_small(), _mesh()), "clear", TypeError,
+     "needs the model FACTORY (a function that builds the model), not a built model"),
+    ("factory returns None", lambda: dtk.distribute(lambda: None, _mesh()), "clear", TypeError,
+     "model_factory must return a tf_keras.Model; it returned NoneType"),
+    ("factory returns a model laid out on another mesh", lambda: dtk.distribute(
+        lambda: dtk.distribute(_small, dtk.build_mesh("batch=4,model=2"), allow_replicated=True),
+        _mesh()), "clear", ValueError,
+     "model_factory returned a model already laid out on a mesh (batch=4,model=2; weight h/kernel"),
+    ("factory returns a Keras 3 model", lambda: dtk.distribute(
+        lambda: __import__("keras").Sequential([__import__("keras").layers.Dense(2)]), _mesh()),
+     "clear", TypeError, "is a Keras 3 object"),
+    ("mesh as a spec string", lambda: isinstance(dtk.distribute(_small, "batch=8"),
+                                                 tf_keras.Model), "accepted", None, True),
+    ("mesh as a list", lambda: dtk.distribute(_small, [_mesh()]), "clear", TypeError,
+     "mesh must be a dtensor.Mesh (dtk.build_mesh(...)), a mesh spec string like 'batch=8'"),
+    ("layout unknown", lambda: dtk.distribute(_small, _mesh(), layout="nope"), "clear",
+     ValueError, "layout table 'nope' is unknown; tables:"),
+    ("seed a string", lambda: dtk.distribute(_small, _mesh(), seed="x"), "clear", ValueError,
+     "Expected `seed` argument to be an integer. Received: seed=x"),
+    ("batch_axis not on the mesh", lambda: dtk.distribute(_small, _mesh(), batch_axis="data"),
+     "clear", ValueError, "batch_axis 'data' is not an axis of mesh batch=8; use one of ['batch']"),
+    ("subclassed without input_shape", lambda: dtk.distribute(_Sub, _mesh()), "clear", ValueError,
+     "returned an unbuilt _Sub (a subclassed model creates its weights on its first call); "
+     "pass input_shape="),
+    ("subclassed with input_shape", lambda: len(_dfit(_dm_sub()).history["loss"]), "accepted",
+     None, 1),
+    ("strict table with unmatched rules", lambda: dtk.distribute(
+        _small, dtk.build_mesh("batch=4,model=2"), layout="mlp_model_parallel", strict=True),
+     "clear", ValueError, "match no weight of this model; fix the patterns or pass strict=False"),
+    # compile()
+    ("compile run_eagerly", lambda: _dm(run_eagerly=True), "refused", ValueError,
+     "compile(run_eagerly=True): a laid-out model's steps run as compiled functions"),
+    ("compile jit_compile", lambda: _dm(jit_compile=True), "refused", ValueError,
+     "compile(jit_compile=True): a laid-out model's step is compiled by DTensor's SPMD expansion"),
+    ("compile optimizer name unknown", lambda: _dm(optimizer="adamm"), "clear", ValueError,
+     "Unknown optimizer: 'adamm'"),
+    ("compile loss name unknown", lambda: _dm(loss="hinge_los"), "clear", ValueError,
+     "Unknown loss function: 'hinge_los'"),
+    ("compile no loss", lambda: _dfit(_dm(loss=None)), "clear", ValueError, "No loss found"),
+    ("compile legacy optimizer", lambda: _dm(optimizer=tf_keras.optimizers.legacy.Adam()),
+     "clear", ValueError, "optimizer is a legacy optimizer (Adam), which cannot be bound"),
+    ("compile Nadam by name", lambda: _dm(optimizer="nadam"), "refused", ValueError,
+     "optimizer Nadam is not supported under DTensor: it keeps a plain tf.Variable"),
+    ("compile Nadam object", lambda: _dm(optimizer=tf_keras.optimizers.Nadam()), "refused",
+     ValueError, "optimizer Nadam is not supported under DTensor"),
+    ("compile a Keras 3 optimizer", lambda: _dm(
+        optimizer=__import__("keras").optimizers.Adam()), "clear", TypeError,
+     "is a Keras 3 object"),
+    ("compile a Keras 3 loss", lambda: _dm(
+        loss=__import__("keras").losses.SparseCategoricalCrossentropy()), "clear", TypeError,
+     "compile(loss=...) SparseCategoricalCrossentropy is a Keras 3 object"),
+    ("compile a Keras 3 metric", lambda: _dm(
+        metrics=[__import__("keras").metrics.SparseCategoricalAccuracy()]), "clear", TypeError,
+     "compile(metrics=...) SparseCategoricalAccuracy is a Keras 3 object"),
+    ("compile an optimizer bound to another mesh", lambda: _dm(
+        optimizer=tf_keras.optimizers.Adam(mesh=dtk.build_mesh("batch=4,model=2"))), "clear",
+     ValueError, "optimizer Adam is bound to another mesh (batch=4, model=2) than the model's "
+                 "(batch=8); create it without mesh="),
+    ("compile an optimizer that already stepped", lambda: _dm(optimizer=_stepped_adam()),
+     "clear", ValueError, "optimizer (Adam) has already taken steps off the mesh"),
+    ("compile metrics by name", lambda: _same_as_plain({"metrics": ["accuracy"]}), "accepted",
+     None, True),
+    ("compile a metric object", lambda: _same_as_plain(
+        {"metrics": [tf_keras.metrics.SparseTopKCategoricalAccuracy(k=2)]}), "accepted", None,
+     True),
+    ("compile weighted_metrics", lambda: _same_as_plain(
+        {"weighted_metrics": ["accuracy"]}, sample_weight=np.linspace(0.5, 1.5, 64)),
+     "accepted", None, True),
+    ("compile loss_weights", lambda: _same_as_plain({"loss_weights": [0.5]}), "accepted", None,
+     True),
+    ("compile steps_per_execution", lambda: _same_as_plain({"steps_per_execution": 2}),
+     "accepted", None, True),
+    ("compile a learning-rate schedule", lambda: _same_as_plain({
+        "optimizer": lambda: tf_keras.optimizers.Adam(
+            tf_keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.5))}), "accepted", None,
+     True),
+    ("compile clipnorm", lambda: _same_as_plain({
+        "optimizer": lambda: tf_keras.optimizers.SGD(0.5, clipnorm=0.01)}), "accepted", None,
+     True),
+    ("compile global_clipnorm", lambda: _same_as_plain({
+        "optimizer": lambda: tf_keras.optimizers.SGD(0.5, global_clipnorm=0.01)}), "accepted",
+     None, True),
+    ("compile twice, the second optimizer trains", lambda: _compiled_twice(), "accepted", None,
+     True),
+    ("fit before compile", lambda: dtk.distribute(_small, _mesh()).fit(_DX, _DY, verbose=0),
+     "clear", RuntimeError, "You must compile your model before training/testing"),
+    # fit()'s arguments
+    ("fit batch_size the axis cannot divide", lambda: _dfit(batch_size=12), "refused",
+     ValueError, "fit(batch_size=12): mesh axis 'batch' of size 8 cannot split it evenly"),
+    ("fit batch_size a string", lambda: _dfit(batch_size="16"), "clear", TypeError,
+     "fit(batch_size='16'): batch_size must be a positive integer"),
+    ("fit batch_size 0", lambda: _dfit(batch_size=0), "clear", TypeError,
+     "fit(batch_size=0): batch_size must be a positive integer"),
+    ("fit batch_size None (Keras's 32)", lambda: _same_as_plain(batch_size=None), "accepted",
+     None, True),
+    ("fit epochs 0", lambda: _dfit(epochs=0), "clear", ValueError,
+     "Expected epochs to be positive"),
+    ("fit x and y of different lengths", lambda: _dfit(y=_DY[:60]), "clear", ValueError,
+     "Data cardinality is ambiguous"),
+    ("fit a last partial batch (60 rows, batch 16)", lambda: _same_as_plain(
+        x=_DX[:60], y=_DY[:60]), "accepted", None, True),
+    ("fit fewer rows than one batch", lambda: _same_as_plain(x=_DX[:3], y=_DY[:3]), "accepted",
+     None, True),
+    ("fit a dataset batched by 30 (replicated batches)", lambda: _same_as_plain(
+        x=DS.batch(30), y=None, batch_size=None), "accepted", None, True),
+    ("fit a dataset batched by 16", lambda: _same_as_plain(x=DS.batch(16), y=None,
+                                                            batch_size=None), "accepted", None,
+     True),
+    ("fit a repeated dataset with steps_per_epoch", lambda: _same_as_plain(
+        x=DS.batch(16).repeat(), y=None, batch_size=None, steps_per_epoch=3, epochs=2),
+     "accepted", None, True),
+    ("fit an unbatched dataset", lambda: _dfit(x=DS, y=None, batch_size=None), "clear",
+     ValueError, "is incompatible with the layer"),
+    ("fit validation_split", lambda: _same_as_plain(validation_split=0.25, epochs=2),
+     "accepted", None, True),
+    ("fit validation_split on a dataset", lambda: _dfit(x=DS.batch(16), y=None, batch_size=None,
+                                                        validation_split=0.2), "clear",
+     ValueError, "`validation_split` is only supported for Tensors or NumPy arrays"),
+    ("fit validation_split 1.5", lambda: _dfit(validation_split=1.5), "clear", ValueError,
+     "fit(validation_split=1.5): the fraction of the data held out must be in [0, 1)"),
+    ("fit validation_data", lambda: _same_as_plain(validation_data=(_DX[:16], _DY[:16])),
+     "accepted", None, True),
+    ("fit validation_data of 3 rows", lambda: _same_as_plain(validation_data=(_DX[:3], _DY[:3])),
+     "accepted", None, True),
+    ("fit validation_freq", lambda: _same_as_plain(validation_data=(_DX[:16], _DY[:16]),
+                                                   validation_freq=2, epochs=2), "accepted",
+     None, True),
+    ("fit class_weight", lambda: _same_as_plain(class_weight={0: 1.0, 1: 2.0, 2: 0.5}),
+     "accepted", None, True),
+    ("fit class_weight missing a class", lambda: _dfit(class_weight={0: 1.0, 1: 2.0}), "clear",
+     ValueError, "fit(class_weight={0: 1.0, 1: 2.0}) has no weight for class(es) [2] found in y"),
+    ("fit sample_weight", lambda: _same_as_plain(sample_weight=np.linspace(0.5, 1.5, 64)),
+     "accepted", None, True),
+    ("fit sample_weight of the wrong length", lambda: _dfit(sample_weight=np.ones(10)), "clear",
+     ValueError, "sample_weight sizes: 10"),
+    ("fit initial_epoch", lambda: _dfit(initial_epoch=2, epochs=3).epoch, "accepted", None, [2]),
+    ("fit initial_epoch at epochs", lambda: _dfit(initial_epoch=3, epochs=3).epoch, "accepted",
+     None, []),
+    ("fit shuffle", lambda: len(_dfit(shuffle=True, epochs=2).history["loss"]), "accepted",
+     None, 2),
+    ("fit named inputs", lambda: _same_as_plain({"factory": _named},
+                                                x={"a": _DX, "b": _DX[:, :2]}), "accepted",
+     None, True),
+    ("fit named inputs missing one", lambda: _dfit(_dm(_named), x={"a": _DX}), "clear",
+     ValueError, "Missing data for input \"b\""),
+    ("fit string labels", lambda: _dfit(y=np.array([b"a", b"b"] * 32)), "clear", ValueError,
+     "fit(y=...): labels are strings (e.g. b'a'), not class ids"),
+    ("fit float labels with a sparse loss", lambda: _same_as_plain(y=_DY.astype(np.float32)),
+     "accepted", None, True),
+    ("fit verbose 2", lambda: _same_as_plain(verbose=2), "accepted", None, True),
+    # callbacks
+    ("fit a Keras 3 callback", lambda: _dfit(
+        callbacks=[__import__("keras").callbacks.EarlyStopping()]), "clear", TypeError,
+     "fit(callbacks=[...]) entry EarlyStopping is a Keras 3 object"),
+    ("fit one callback, not a list", lambda: len(_dfit(
+        callbacks=tf_keras.callbacks.TerminateOnNaN()).history["loss"]), "accepted", None, 1),
+    ("fit EarlyStopping", lambda: _dfit(epochs=6, callbacks=[tf_keras.callbacks.EarlyStopping(
+        monitor="loss", patience=1, min_delta=10)]).epoch, "accepted", None, [0, 1]),
+    ("fit TerminateOnNaN", lambda: len(_dfit(x=np.full_like(_DX, np.nan), epochs=3, callbacks=[
+        tf_keras.callbacks.TerminateOnNaN()]).history["loss"]), "accepted", None, 1),
+    ("fit ModelCheckpoint of weights", lambda: _checkpoint_then_load(
+        "w.h5", save_weights_only=True), "accepted", None, True),
+    ("fit ModelCheckpoint of the model", lambda: _checkpoint_then_load("m.keras"), "accepted",
+     None, True),
+    ("fit ReduceLROnPlateau", lambda: _lr_after(tf_keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", patience=0, min_delta=10, factor=0.5), 3), "accepted", None,
+     ([1e-3, 1e-3, 5e-4], 2.5e-4)),
+    ("fit LearningRateScheduler", lambda: _lr_after(tf_keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: 0.01 / (epoch + 1)), 2), "accepted", None, ([0.01, 0.005], 0.005)),
+    ("fit CSVLogger", lambda: _csv_rows(), "accepted", None, 3),
+    ("fit TensorBoard scalars", lambda: _tensorboard_files(), "accepted", None, True),
+    ("fit TensorBoard histograms", lambda: _dfit(callbacks=[tf_keras.callbacks.TensorBoard(
+        _tmp("tb"), histogram_freq=1)]), "refused", ValueError,
+     "TensorBoard's weight histograms and embeddings read the weights as one host tensor"),
+    ("fit a callback that swaps the optimizer", lambda: _dfit(epochs=2, callbacks=[
+        _SwapOptimizer()]), "refused", ValueError,
+     "model.optimizer was replaced after the train step was compiled (by SGD, after Adam"),
+    ("fit a LambdaCallback reading the batch logs", lambda: _batch_losses(), "accepted", None, 4),
+    # evaluate, predict, the batch methods, saving
+    ("evaluate batch_size the axis cannot divide", lambda: _dm().evaluate(
+        _DX, _DY, batch_size=12, verbose=0), "refused", ValueError,
+     "evaluate(batch_size=12): mesh axis 'batch' of size 8 cannot split it evenly"),
+    ("evaluate before compile", lambda: dtk.distribute(_small, _mesh()).evaluate(
+        _DX, _DY, verbose=0), "clear", RuntimeError, "You must compile your model"),
+    ("evaluate 5 rows", lambda: _evaluate_like_plain(_DX[:5], _DY[:5]), "accepted", None, True),
+    ("evaluate return_dict", lambda: sorted(_dm(metrics=["accuracy"]).evaluate(
+        _DX, _DY, batch_size=16, verbose=0, return_dict=True)), "accepted", None,
+     ["accuracy", "loss"]),
+    ("predict batch_size the axis cannot divide", lambda: _dm().predict(
+        _DX, batch_size=12, verbose=0), "refused", ValueError,
+     "predict(batch_size=12): mesh axis 'batch' of size 8 cannot split it evenly"),
+    ("predict before compile", lambda: dtk.distribute(_small, _mesh()).predict(
+        _DX, verbose=0).shape, "accepted", None, (64, 3)),
+    ("predict 5 rows", lambda: _dm().predict(_DX[:5], verbose=0).shape, "accepted", None,
+     (5, 3)),
+    ("predict the wrong feature size", lambda: _dm().predict(np.zeros((16, 5), np.float32),
+                                                             verbose=0), "clear", ValueError,
+     "is incompatible with the layer"),
+    ("predict_on_batch", lambda: _dm().predict_on_batch(_DX[:16]).shape, "accepted", None,
+     (16, 3)),
+    ("train_on_batch of 12 rows", lambda: np.isfinite(_dm().train_on_batch(_DX[:12], _DY[:12])),
+     "accepted", None, True),
+    ("test_on_batch", lambda: np.isfinite(_dm().test_on_batch(_DX[:16], _DY[:16])), "accepted",
+     None, True),
+    ("save .keras, loaded by plain tf_keras", lambda: _saved_loads_in_plain_keras("s.keras"),
+     "accepted", None, True),
+    ("save .h5, loaded by plain tf_keras", lambda: _saved_loads_in_plain_keras("s.h5"),
+     "accepted", None, True),
+    ("load_weights of a missing file", lambda: _dm().load_weights(_tmp("nope.h5")), "clear",
+     (FileNotFoundError, OSError), "nope.h5"),
+]
+
+
+def _dm_sub():
+    model = dtk.distribute(_Sub, _mesh(), input_shape=(4,), seed=0)
+    model.compile(optimizer="adam", loss=_SCE)
+    return model
+
+
+def _stepped_adam():
+    optimizer = tf_keras.optimizers.Adam()
+    variable = tf.Variable([1.0])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    return optimizer
+
+
+def _compiled_twice():
+    model = _dm()
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.5), loss=_SCE)
+    ours = _dfit(model).history["loss"]
+    plain = _plain(optimizer=tf_keras.optimizers.SGD(0.5))
+    np.testing.assert_allclose(ours, _dfit(plain).history["loss"], rtol=1e-5)
+    return isinstance(model.optimizer, tf_keras.optimizers.SGD)
+
+
+def _csv_rows():
+    path = _tmp("log.csv")
+    _dfit(epochs=2, callbacks=[tf_keras.callbacks.CSVLogger(path)])
+    return len(open(path, encoding="utf-8").read().strip().splitlines())
+
+
+def _tensorboard_files():
+    path = _tmp("tb")
+    _dfit(callbacks=[tf_keras.callbacks.TensorBoard(path)])
+    return any(files for _, _, files in os.walk(path))
+
+
+def _batch_losses():
+    seen = []
+    _dfit(callbacks=[tf_keras.callbacks.LambdaCallback(
+        on_batch_end=lambda batch, logs: seen.append(logs["loss"]))])
+    return len(seen)
+
+
+def _evaluate_like_plain(x, y):
+    np.testing.assert_allclose(_dm().evaluate(x, y, verbose=0), _plain().evaluate(x, y, verbose=0),
+                               rtol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("call, outcome, error, expected", [c[1:] for c in DISTRIBUTE_CASES],
+                         ids=[c[0] for c in DISTRIBUTE_CASES])
+def test_distribute_inputs(call, outcome, error, expected):
+    assert outcome in ("clear", "refused", "accepted")
+    if outcome == "accepted":
+        result = call()
+        if isinstance(expected, tuple) and expected and isinstance(expected[0], list):
+            np.testing.assert_allclose(result[0], expected[0], rtol=1e-6)
+            np.testing.assert_allclose(result[1], expected[1], rtol=1e-6)
+        else:
+            assert result == expected, result
+        return
+    with pytest.raises(error) as info:
+        call()
+    assert expected in str(info.value), str(info.value)[:2000]

@@ -44,7 +44,7 @@ from dtk.data.input import pack
 from dtk.keras_check import require_keras2
 from dtk.parallel import layouts, randomness
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
-from dtk.train.optimizers import keep_ema_on_mesh, make_metric
+from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 
 
 def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, *,
@@ -125,6 +125,20 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 "compile(run_eagerly=True): a laid-out model's steps run as compiled functions on "
                 "the mesh (DTensor lays out traced functions); drop run_eagerly, or debug the "
                 "model eagerly on one device without dtk.distribute")
+        if kwargs.get("jit_compile"):
+            raise ValueError(
+                "compile(jit_compile=True): a laid-out model's step is compiled by DTensor's SPMD "
+                "expansion, which dtk does not combine with XLA; drop jit_compile (the step is "
+                "still one compiled function per call)")
+        loss = kwargs.get("loss", args[1] if len(args) > 1 else None)
+        for key, index in (("optimizer", 0), ("loss", 1), ("metrics", 2)):
+            for value in tf.nest.flatten(kwargs.get(key, args[index] if len(args) > index
+                                                    else None)):
+                require_keras2(value, f"compile({key}=...) {type(value).__name__}")
+        if cls_compile is tf_keras.Model.compile:  # a name Keras cannot resolve: now, not at step 1
+            for name in tf.nest.flatten(loss):
+                if isinstance(name, str):
+                    tf_keras.losses.get(name)
         args = list(args)
         for index, key in ((2, "metrics"), (5, "weighted_metrics")):  # compile()'s positions
             if key in kwargs:
@@ -143,7 +157,10 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
         def checked(self, *args, _method=model_method, _name=name, _position=position,
                     **kwargs):
             size = kwargs.get("batch_size", args[_position] if len(args) > _position else None)
-            state.check_call(_name, size, kwargs.get("callbacks"))
+            y = kwargs.get("y", args[1] if len(args) > 1 else None)
+            state.check_call(_name, size, kwargs.get("callbacks"), y=y,
+                             class_weight=kwargs.get("class_weight"),
+                             validation_split=kwargs.get("validation_split"))
             return _method(self, *args, **kwargs)
 
         setattr(model, name, types.MethodType(checked, model))
@@ -159,17 +176,50 @@ class _MeshState:
         self.mesh, self.batch_axis = mesh, batch_axis
         self.size = mesh.dim_size(batch_axis)
 
-    def check_call(self, method: str, batch_size: Any, callbacks: Any) -> None:
-        """Refuses, before Keras starts, a ``batch_size`` the batch axis cannot divide and Keras
-        3 callbacks.
+    def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
+                   class_weight: Any = None, validation_split: Any = None) -> None:
+        """Refuses, before Keras starts, what would fail inside a step on the mesh (where a
+        failure cancels the process's collectives) or train silently wrong: a ``batch_size`` the
+        batch axis cannot divide, Keras 3 callbacks, TensorBoard's weight histograms, string
+        labels, class weights that miss a label, a ``validation_split`` outside [0, 1).
 
         Raises:
-          ValueError: naming ``batch_size``, the axis and its size, and the fix.
-          TypeError: a Keras 3 callback.
+          ValueError: naming the argument, its value, the axis and its size, and the fix.
+          TypeError: a Keras 3 callback, a ``batch_size`` that is not an integer.
         """
-        for callback in callbacks or ():
+        for callback in tf.nest.flatten(callbacks) if callbacks is not None else ():
             require_keras2(callback, f"{method}(callbacks=[...]) entry {type(callback).__name__}")
-        if isinstance(batch_size, int) and batch_size % self.size:
+            if isinstance(callback, tf_keras.callbacks.TensorBoard) and (
+                    callback.histogram_freq or callback.embeddings_freq):
+                raise ValueError(
+                    f"{method}(callbacks=[TensorBoard(histogram_freq={callback.histogram_freq}, "
+                    f"embeddings_freq={callback.embeddings_freq})]): TensorBoard's weight "
+                    "histograms and embeddings read the weights as one host tensor, which a "
+                    "weight laid out on the mesh is not; pass histogram_freq=0 and "
+                    "embeddings_freq=0 (losses, metrics and the learning rate are logged)")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+                batch_size, (int, np.integer)) or batch_size < 1):
+            raise TypeError(f"{method}(batch_size={batch_size!r}): batch_size must be a positive "
+                            f"integer, a multiple of mesh axis {self.batch_axis!r}'s size "
+                            f"{self.size}")
+        if validation_split is not None and not 0 <= validation_split < 1:
+            raise ValueError(f"{method}(validation_split={validation_split!r}): the fraction of "
+                             "the data held out must be in [0, 1) (e.g. 0.2)")
+        labels = y if isinstance(y, np.ndarray) else None
+        if labels is not None and labels.dtype.kind in "SUO":
+            raise ValueError(
+                f"{method}(y=...): labels are strings (e.g. {labels.flat[0]!s}), not class ids; "
+                "map them to integers first (e.g. tf_keras.layers.StringLookup, or "
+                "np.unique(y, return_inverse=True))")
+        if isinstance(class_weight, dict) and labels is not None and labels.size and \
+                labels.dtype.kind in "iuf":
+            ids = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels
+            missing = sorted(set(np.unique(ids.astype(np.int64)).tolist()) - set(class_weight))
+            if missing:
+                raise ValueError(
+                    f"{method}(class_weight={class_weight!r}) has no weight for class(es) "
+                    f"{missing[:8]} found in y; give every class a weight (1.0 for unchanged)")
+        if isinstance(batch_size, (int, np.integer)) and batch_size % self.size:
             fits = [b for b in (batch_size - batch_size % self.size,
                                 batch_size + self.size - batch_size % self.size) if b > 0]
             raise ValueError(
@@ -213,6 +263,10 @@ def _maker(step_name: str, attr: str) -> Callable:
             if training and iterations is not None:
                 with randomness.step_scope(iterations.read_value()):
                     return step(data)
+            if step_name == "predict_step":  # outputs to the host whole, on every client
+                return tf.nest.map_structure(
+                    lambda t: dtensor.relayout(t, dtensor.Layout.replicated(
+                        state.mesh, t.shape.rank)) if isinstance(t, tf.Tensor) else t, step(data))
             return step(data)
 
         traced = tf.function(body, reduce_retracing=True)
@@ -220,8 +274,17 @@ def _maker(step_name: str, attr: str) -> Callable:
                        and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
 
         fresh = [True]
+        traced_with = getattr(self, "optimizer", None)
 
         def function(iterator):
+            if training and getattr(self, "optimizer", None) is not traced_with:
+                raise ValueError(
+                    f"model.optimizer was replaced after the train step was compiled (by "
+                    f"{type(getattr(self, 'optimizer', None)).__name__}, after "
+                    f"{type(traced_with).__name__}; a callback during fit?): the compiled step trains with the optimizer "
+                    "it was compiled with, so the new one would be silently ignored. Change the "
+                    "optimizer's learning rate instead (LearningRateScheduler, "
+                    "ReduceLROnPlateau), or compile() again between fits")
             outputs = None
             for i in range(per_call if step_name != "predict_step" else 1):
                 try:
@@ -273,7 +336,15 @@ def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
                 f"{attr} is a legacy optimizer ({type(value).__name__}), which cannot be bound "
                 "to a DTensor mesh (it rejects mesh=); use tf_keras.optimizers."
                 f"{type(value).__name__} (not .legacy)")
-        if getattr(value, "_mesh", None) is not None:
+        check_supported(value, attr.lstrip("_"))
+        bound_to = getattr(value, "_mesh", None)
+        if bound_to is not None and bound_to != mesh:
+            raise ValueError(
+                f"{attr.lstrip('_')} {type(value).__name__} is bound to another mesh "
+                f"({', '.join(f'{a}={bound_to.dim_size(a)}' for a in bound_to.dim_names)}) than "
+                f"the model's ({', '.join(f'{a}={mesh.dim_size(a)}' for a in mesh.dim_names)}); "
+                "create it without mesh= (dtk binds it to the model's mesh) or with the model's")
+        if bound_to is not None:
             continue
         if tf.executing_eagerly() and int(value.iterations.numpy()):
             raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "

@@ -48,6 +48,18 @@ _UNSUPPORTED_OPTIMIZERS = {
              "replicate, so its updates differ from single-device training by up to 0.4",
 }
 
+def check_supported(optimizer: Any, argument: str) -> None:
+    """Refuses an optimizer class that runs under DTensor but does not match one device.
+
+    Raises:
+      ValueError: naming ``argument``, the class, the reason and the fix.
+    """
+    reason = _UNSUPPORTED_OPTIMIZERS.get(type(optimizer).__name__.lower())
+    if reason:
+        raise ValueError(f"{argument} {type(optimizer).__name__} is not supported under DTensor: "
+                         f"{reason}; use Adam or AdamW")
+
+
 METRICS: dict[str, str] = {
     "sparse_categorical_accuracy": "SparseCategoricalAccuracy",
     "top5": "SparseTopKCategoricalAccuracy",
@@ -123,9 +135,7 @@ def make_optimizer(optimizer: OptimizerLike, mesh: dtensor.Mesh, **kwargs: Any
     if not isinstance(optimizer, tf_keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a name or a tf_keras.optimizers.Optimizer; got "
                         f"{type(optimizer).__name__}")
-    if type(optimizer).__name__.lower() in _UNSUPPORTED_OPTIMIZERS:
-        raise ValueError(f"optimizer {type(optimizer).__name__} is not supported under DTensor: "
-                         f"{_UNSUPPORTED_OPTIMIZERS[type(optimizer).__name__.lower()]}")
+    check_supported(optimizer, "optimizer")
     if not _same_mesh(getattr(optimizer, "_mesh", None), mesh):
         raise ValueError(
             f"optimizer {type(optimizer).__name__} is not bound to the mesh: without mesh= it runs "
