@@ -57,6 +57,27 @@ def test_depthwise_conv2d_equals_tensorflow(size, kernel, stride, padding, dilat
         assert error <= 4 * spread + 1e-12, (error, spread)
 
 
+@pytest.mark.parametrize("size, patch, stride, rate, padding", [
+    ((8, 8), 4, 4, 1, "VALID"), ((9, 10), 3, 3, 1, "VALID"), ((8, 8), 3, 2, 1, "SAME"),
+    ((8, 8), 3, 2, 1, "VALID"), ((9, 9), 2, 1, 2, "VALID"), ((7, 8), (2, 3), (2, 3), 1, "SAME")])
+def test_extract_patches_equals_tensorflow(size, patch, stride, rate, padding):
+    """keras.io's ViT and MLP-Mixer cut images with tf.image.extract_patches, which DTensor
+    cannot lay out; dtk's equivalent gives the op's values and gradients exactly."""
+    kh, kw = (patch, patch) if isinstance(patch, int) else patch
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    x = tf.constant(np.random.default_rng(2).standard_normal((2, *size, 3)), tf.float32)
+    args = ([1, kh, kw, 1], [1, sh, sw, 1], [1, rate, rate, 1], padding)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        want = tf.raw_ops.ExtractImagePatches(images=x, ksizes=args[0], strides=args[1],
+                                              rates=args[2], padding=args[3])
+        got = op_support.extract_patches(x, *args)
+        loss_want, loss_got = tf.reduce_sum(want ** 3), tf.reduce_sum(got ** 3)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(tape.gradient(loss_got, x), tape.gradient(loss_want, x),
+                               rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("size, pool, stride, padding", [
     ((8, 8), 2, 2, "VALID"), ((7, 9), 2, 2, "VALID"), ((8, 8), 3, 2, "SAME"),
     ((7, 7), 3, 1, "SAME"), ((8, 6), 3, 2, "VALID")])

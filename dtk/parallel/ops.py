@@ -91,6 +91,14 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
                  "(bilinear) neighbours (dtk.parallel.ops.projective_transform); the random "
                  "transforms drawn mesh-invariantly (dtk.parallel.randomness)"),
     UnsupportedOp(
+        op="ExtractImagePatches",
+        layers=("a layer calling tf.image.extract_patches (keras.io's ViT and MLP-Mixer "
+                "'Patches')",),
+        handling="equivalent while dtk traces a step: non-overlapping patches (sizes = strides, "
+                 "'VALID', rates 1) as a reshape and transpose, others as a convolution with a "
+                 "one-hot kernel (each output is one input times 1 plus zeros: exact; "
+                 "dtk.parallel.ops.extract_patches)"),
+    UnsupportedOp(
         op="FusedBatchNormV3",
         layers=("BatchNormalization", "LayerNormalization"),
         handling="equivalent: the unfused formulation (moments, then the affine transform)"),
@@ -268,6 +276,84 @@ _TRANSFORM = _WhileActive(
         images, transforms, fill_mode=fill_mode, fill_value=fill_value,
         interpolation=interpolation, output_shape=output_shape),
     module="tf_keras.src.layers.preprocessing.image_preprocessing")
+
+
+def extract_patches(images, sizes, strides, rates, padding, name=None):
+    """``tf.image.extract_patches`` from ops DTensor can lay out (it has no layout propagation
+    for ``ExtractImagePatches``): the same values and gradients.
+
+    Non-overlapping patches (``sizes == strides``, ``rates`` 1, ``"VALID"``: the ViT and
+    MLP-Mixer pages) are a reshape and transpose. Otherwise a convolution whose one-hot kernel
+    copies input ``(i, j, c)`` of each window to output channel ``(i * kw + j) * C + c`` (the op's
+    order), with the op's strides, rates and padding: each output is one input times 1 plus
+    zeros, exact (a NaN or inf input spreads to its window's other outputs, where the op keeps
+    it in place).
+    """
+    del name
+    kh, kw = int(sizes[1]), int(sizes[2])
+    sh, sw = int(strides[1]), int(strides[2])
+    rh, rw = int(rates[1]), int(rates[2])
+    height, width, channels = (int(d) for d in images.shape[1:])
+    if (kh, kw) == (sh, sw) and (rh, rw) == (1, 1) and padding.upper() == "VALID":
+        oh, ow = height // kh, width // kw
+        x = images[:, :oh * kh, :ow * kw, :]
+        x = tf.reshape(x, [-1, oh, kh, ow, kw, channels])
+        x = tf.transpose(x, [0, 1, 3, 2, 4, 5])
+        return tf.reshape(x, [-1, oh, ow, kh * kw * channels])
+    depth = kh * kw * channels
+    kernel = np.zeros((kh, kw, channels, depth), np.float32)
+    for i in range(kh):
+        for j in range(kw):
+            for c in range(channels):
+                kernel[i, j, c, (i * kw + j) * channels + c] = 1.0
+    dtype = images.dtype
+    x = images if dtype.is_floating else tf.cast(images, tf.float32)
+    out = tf.nn.conv2d(x, tf.constant(kernel, x.dtype), strides=[1, sh, sw, 1],
+                       padding=padding.upper(), dilations=[1, rh, rw, 1])
+    return out if dtype.is_floating else tf.cast(out, dtype)
+
+
+class _DuringSteps:
+    """Replaces ``tf.<module>.<name>`` (``tf.image.extract_patches``) while dtk traces a step
+    on the mesh (``during_steps``), for user code that calls it itself (a keras.io page's own
+    ``Patches`` layer); a pass-through otherwise (a plain model in the same process keeps
+    TensorFlow's op)."""
+
+    def __init__(self, module: Any, name: str, replacement):
+        self.module, self.name, self.replacement = module, name, replacement
+        self.active = 0
+
+    def install(self) -> None:
+        original = getattr(self.module, self.name)
+        if getattr(original, "_dtk", False):
+            return
+
+        def wrapped(*args, **kwargs):
+            if self.active:
+                return self.replacement(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        wrapped._dtk = True  # pylint: disable=protected-access
+        setattr(self.module, self.name, wrapped)
+
+
+_DURING_STEPS = (_DuringSteps(tf.image, "extract_patches", extract_patches),)
+
+
+class during_steps:  # pylint: disable=invalid-name
+    """Context of a step traced on the mesh: TensorFlow functions DTensor cannot lay out, called
+    by user code, run as dtk's equivalents (``_DURING_STEPS``)."""
+
+    def __enter__(self):
+        for r in _DURING_STEPS:
+            r.install()
+            r.active += 1
+        return self
+
+    def __exit__(self, *exc):
+        for r in _DURING_STEPS:
+            r.active -= 1
+        return False
 
 
 def _reflect(coord, size: int):

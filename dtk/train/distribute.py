@@ -42,7 +42,7 @@ from tensorflow.experimental import dtensor
 
 from dtk.data.input import pack
 from dtk.keras_check import require_keras2
-from dtk.parallel import layouts, randomness
+from dtk.parallel import layouts, ops, randomness
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 
@@ -269,7 +269,11 @@ def _maker(step_name: str, attr: str) -> Callable:
                         state.mesh, t.shape.rank)) if isinstance(t, tf.Tensor) else t, step(data))
             return step(data)
 
-        traced = tf.function(body, reduce_retracing=True)
+        def traced_body(data):
+            with ops.during_steps():  # tf.image.extract_patches in user code: dtk's equivalent
+                return body(data)
+
+        traced = tf.function(traced_body, reduce_retracing=True)
         per_call = int(getattr(self, "_steps_per_execution", None) is not None
                        and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
 

@@ -175,7 +175,7 @@ def _function(fn: Callable, *, jit_compile: bool, reduce_retracing: bool = False
     """
     @functools.wraps(fn)
     def traced(*args):
-        with _user_code_autograph():
+        with _user_code_autograph(), ops.during_steps():
             return fn(*args)
     return _StaleFunctionRetry(lambda: tf.function(traced, jit_compile=jit_compile,
                                                    autograph=False,
