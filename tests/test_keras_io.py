@@ -158,3 +158,40 @@ def test_keras_io_page_trains_with_keras_own_fit(name):
         for key in want:
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
                                        err_msg=f"{name} on {spec} vs {label}: {key}")
+
+
+# -- issue 58's acceptance pages: the page's own compile() and fit() call -----------------------
+from tests import keras_io_fit_pages as fit_pages  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _fit_page(name, spec):
+    page = fit_pages.PAGES[name]
+    if spec == "plain":
+        tf_keras.utils.set_random_seed(7)
+        model = page.factory()
+        if page.input_shape is not None:
+            model(tf.zeros([1, *page.input_shape]))
+    else:
+        model = dtk.distribute(page.factory, dtk.build_mesh(spec), seed=7, allow_replicated=True,
+                               input_shape=page.input_shape)
+    return model.fit(**page.fit()).history
+
+
+@pytest.mark.parametrize("name", list(fit_pages.PAGES))
+def test_keras_io_fit_page(name):
+    """Each page's model, compile() and fit() call as the page writes them (callbacks,
+    class_weight, validation, custom compile() and train_step), plus ``dtk.distribute``, on
+    batch=1, batch=8 and batch=4,model=2: every logged number equals plain tf_keras's fit
+    (1e-5), or, for a page that draws random numbers in training, equals batch=1's (dtk's draws
+    do not depend on the mesh; plain tf_keras draws others)."""
+    page = fit_pages.PAGES[name]
+    histories = {spec: _fit_page(name, spec) for spec in ("batch=1", "batch=8", "batch=4,model=2")}
+    if page.draws:
+        label, want = "batch=1", histories.pop("batch=1")
+    else:
+        label, want = "plain tf_keras", _fit_page(name, "plain")
+    for spec, got in histories.items():
+        assert set(got) == set(want), (spec, sorted(got), sorted(want))
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name} on {spec} vs {label}: {key}")

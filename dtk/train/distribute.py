@@ -85,8 +85,11 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     compiled = getattr(model, "_dtk_compiled", None) or {}
     if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
         cls, config = compiled["optimizer"]
+        # Through tf_keras.Model.compile: a model with its own compile() signature (keras.io's
+        # Distiller) keeps the attributes its compile() set in the factory (losses, alpha).
         model.compile(optimizer=cls.from_config(dict(config)), loss=compiled["loss"],
-                      metrics=compiled["metrics"], loss_weights=compiled["loss_weights"])
+                      metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
+                      _dtk_keras_compile=True)
     return model
 
 
@@ -119,7 +122,8 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     object.__setattr__(model, "_dtk_mesh_state", state)
     cls_compile = type(model).compile
 
-    def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
+    def compile(self, *args, _dtk_keras_compile=False, **kwargs):  # pylint: disable=redefined-builtin
+        base = tf_keras.Model.compile if _dtk_keras_compile else cls_compile
         if kwargs.get("run_eagerly"):
             raise ValueError(
                 "compile(run_eagerly=True): a laid-out model's steps run as compiled functions on "
@@ -135,7 +139,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             for value in tf.nest.flatten(kwargs.get(key, args[index] if len(args) > index
                                                     else None)):
                 require_keras2(value, f"compile({key}=...) {type(value).__name__}")
-        if cls_compile is tf_keras.Model.compile:  # a name Keras cannot resolve: now, not at step 1
+        if base is tf_keras.Model.compile:  # a name Keras cannot resolve: now, not at step 1
             for name in tf.nest.flatten(loss):
                 if isinstance(name, str):
                     tf_keras.losses.get(name)
@@ -143,10 +147,10 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
         for index, key in ((2, "metrics"), (5, "weighted_metrics")):  # compile()'s positions
             if key in kwargs:
                 kwargs[key] = _bind_metric_objects(kwargs[key], mesh)
-            elif len(args) > index and cls_compile is tf_keras.Model.compile:
+            elif len(args) > index and base is tf_keras.Model.compile:
                 args[index] = _bind_metric_objects(args[index], mesh)
         with dtensor.default_mesh(mesh):  # metrics and optimizer state made here live on it
-            cls_compile(self, *args, **kwargs)
+            base(self, *args, **kwargs)
             _bind_optimizers(self, mesh)
         self.train_function = self.test_function = self.predict_function = None
 
@@ -319,7 +323,36 @@ def _bind_metric_objects(metrics: Any, mesh: dtensor.Mesh) -> Any:
     """Metric objects given to ``compile()`` (an ``AUC()`` the user made), made again bound to
     ``mesh`` (``make_metric``); names stay names (Keras makes them on the mesh, see above)."""
     return tf.nest.map_structure(
-        lambda m: make_metric(m, mesh) if isinstance(m, tf_keras.metrics.Metric) else m, metrics)
+        lambda m: _bind_metric(m, mesh) if isinstance(m, tf_keras.metrics.Metric) else m,
+        metrics)
+
+
+def _bind_metric(metric: tf_keras.metrics.Metric, mesh: dtensor.Mesh
+                 ) -> tf_keras.metrics.Metric:
+    """``make_metric``; a user's metric class that does not take ``mesh=`` (keras.io's
+    ``CategoricalTruePositives``) is made again from its config with ``mesh`` as the default
+    mesh, where its ``add_weight`` variables are made replicated on the mesh, as the variables
+    of the metrics Keras makes itself are.
+
+    Raises:
+      ValueError: a metric that cannot be made again from its config, named, with the fix.
+    """
+    try:
+        return make_metric(metric, mesh)
+    except ValueError:
+        pass
+    try:
+        with dtensor.default_mesh(mesh):
+            rebuilt = type(metric).from_config(metric.get_config())
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise ValueError(
+            f"compile(metrics=[...]) {metric.name!r} ({type(metric).__name__}): dtk makes a "
+            "metric object again on the mesh from its config, and this one's cannot (" +
+            str(e).splitlines()[0][:200] + "); give its class a get_config() that returns its "
+            "constructor's arguments, or accept mesh= in its __init__") from None
+    for variable in rebuilt.variables:
+        dtensor.fetch_layout(variable)  # raises if not on the mesh
+    return rebuilt
 
 
 def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
