@@ -801,3 +801,114 @@ PAGES: dict[str, Page] = {
         changed="vocabulary 60, length 12, 8 filters; token ids as the page's vectorized "
         "dataset gives them"),
 }
+
+
+# -- "DCGAN to generate face images" (its own compile(), two optimizers, draws in train_step) --
+LATENT_DIM = 8
+
+
+def dcgan_parts():
+    discriminator = tf_keras.Sequential([
+        tf_keras.Input(shape=(16, 16, 3)),
+        layers.Conv2D(8, kernel_size=4, strides=2, padding="same"),
+        layers.LeakyReLU(alpha=0.2),
+        layers.Conv2D(16, kernel_size=4, strides=2, padding="same"),
+        layers.LeakyReLU(alpha=0.2),
+        layers.Flatten(),
+        layers.Dropout(0.2),
+        layers.Dense(1, activation="sigmoid"),
+    ], name="discriminator")
+    generator = tf_keras.Sequential([
+        tf_keras.Input(shape=(LATENT_DIM,)),
+        layers.Dense(4 * 4 * 16),
+        layers.Reshape((4, 4, 16)),
+        layers.Conv2DTranspose(16, kernel_size=4, strides=2, padding="same"),
+        layers.LeakyReLU(alpha=0.2),
+        layers.Conv2DTranspose(8, kernel_size=4, strides=2, padding="same"),
+        layers.LeakyReLU(alpha=0.2),
+        layers.Conv2D(3, kernel_size=5, padding="same", activation="sigmoid"),
+    ], name="generator")
+    return discriminator, generator
+
+
+class GAN(tf_keras.Model):
+    def __init__(self, discriminator, generator, latent_dim):
+        super().__init__()
+        self.discriminator = discriminator
+        self.generator = generator
+        self.latent_dim = latent_dim
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer = d_optimizer
+        self.g_optimizer = g_optimizer
+        self.loss_fn = loss_fn
+        self.d_loss_metric = tf_keras.metrics.Mean(name="d_loss")
+        self.g_loss_metric = tf_keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_metric, self.g_loss_metric]
+
+    def train_step(self, real_images):
+        batch_size = tf.shape(real_images)[0]
+        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
+        generated_images = self.generator(random_latent_vectors)
+        combined_images = tf.concat([generated_images, real_images], axis=0)
+        labels = tf.concat([tf.ones((batch_size, 1)), tf.zeros((batch_size, 1))], axis=0)
+        labels += 0.05 * tf.random.uniform(tf.shape(labels))
+        with tf.GradientTape() as tape:
+            predictions = self.discriminator(combined_images)
+            d_loss = self.loss_fn(labels, predictions)
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_weights))
+        random_latent_vectors = tf.random.normal(shape=(batch_size, self.latent_dim))
+        misleading_labels = tf.zeros((batch_size, 1))
+        with tf.GradientTape() as tape:
+            predictions = self.discriminator(self.generator(random_latent_vectors))
+            g_loss = self.loss_fn(misleading_labels, predictions)
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.d_loss_metric.update_state(d_loss)
+        self.g_loss_metric.update_state(g_loss)
+        return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+
+class GANMonitor(tf_keras.callbacks.Callback):
+    def __init__(self, num_img=3, latent_dim=LATENT_DIM):
+        super().__init__()
+        self.num_img = num_img
+        self.latent_dim = latent_dim
+        self.folder = tempfile.mkdtemp()
+
+    def on_epoch_end(self, epoch, logs=None):
+        random_latent_vectors = tf.random.normal(shape=(self.num_img, self.latent_dim))
+        generated_images = self.model.generator(random_latent_vectors)
+        generated_images *= 255
+        generated_images.numpy()
+        for i in range(self.num_img):
+            img = tf_keras.utils.array_to_img(generated_images[i])
+            img.save(os.path.join(self.folder, f"generated_img_{epoch:03d}_{i}.png"))
+
+
+def dcgan():
+    discriminator, generator = dcgan_parts()
+    gan = GAN(discriminator=discriminator, generator=generator, latent_dim=LATENT_DIM)
+    gan.compile(
+        d_optimizer=tf_keras.optimizers.Adam(learning_rate=0.0001),
+        g_optimizer=tf_keras.optimizers.Adam(learning_rate=0.0001),
+        loss_fn=tf_keras.losses.BinaryCrossentropy(),
+    )
+    return gan
+
+
+def _faces_fit():
+    faces = _rng(12).random((4 * B, 16, 16, 3), dtype=np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices(faces).batch(B)
+    return dict(x=dataset, epochs=2, verbose=0, callbacks=[GANMonitor(num_img=3)])
+
+
+PAGES["dcgan"] = Page(
+    page="DCGAN to generate face images (its own compile(), two optimizers)", factory=dcgan,
+    fit=_faces_fit, draws=True,
+    changed="16x16 images, 8-16 filters, latent dim 8; random images for the faces")

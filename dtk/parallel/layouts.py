@@ -598,7 +598,7 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
 def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_keras.Model:
     """``model_factory()`` outside any layout scope, built (a subclassed model by one call)."""
     model = _check_factory_result(model_factory())
-    if not model.built:
+    if not materialize.is_built(model):
         if input_shape is None:
             raise ValueError(
                 f"model_factory returned an unbuilt {type(model).__name__} (a subclassed model "
@@ -634,10 +634,11 @@ def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = Non
     names = _layer_name_counters()
     try:
         model = _check_factory_result(materialize.lazy_model(model_factory, input_shape, dtype))
-        if model.built and not _seeds_itself_when_built(model):
+        if materialize.is_built(model) and not _seeds_itself_when_built(model):
             return model, True
         reason = ("its random layers draw their own seeds as the model is built, between its "
-                  "weights' initializers, which a lazy build cannot replay" if model.built
+                  "weights' initializers, which a lazy build cannot replay"
+                  if materialize.is_built(model)
                   else "a lazy build leaves it unbuilt (a subclassed model without input_shape)")
     except TypeError:
         raise
@@ -738,7 +739,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         with placeholders, layout_map.scope(), _preprocessing_deferred(), _nested_models(), \
                 materialize.shared_handle_compilation():
             model = model_factory()
-            if not model.built:
+            if not materialize.is_built(model):
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
             else:  # a subclassed model the factory built itself (build(), or a call on Input)
                 _map_lazy_variables(model, layout_map)
@@ -816,6 +817,12 @@ def compiled_settings(model: tf_keras.Model) -> dict[str, Any]:
         else None,
         "metrics": list(getattr(getattr(model, "compiled_metrics", None), "_user_metrics", None)
                         or []) or None,
+        # Optimizers a model's own compile() keeps as attributes (a GAN's d_optimizer and
+        # g_optimizer): the laid-out build's copies hold unset state, made again from these.
+        "attributes": {attr: (type(value), _optimizer_config(value))
+                       for attr, value in vars(model).items()
+                       if not attr.startswith("_")
+                       and isinstance(value, tf_keras.optimizers.Optimizer)},
     }
 
 

@@ -38,6 +38,16 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 
+def is_built(model: tf_keras.Model) -> bool:
+    """Whether ``model`` has all its weights: built, or a model that is never called itself
+    whose parts are built (keras.io's GAN: a ``train_step`` over a built generator and
+    discriminator, no ``call``)."""
+    if model.built:
+        return True
+    parts = list(model._flatten_layers(include_self=False, recursive=False))  # pylint: disable=protected-access
+    return bool(parts) and bool(model.weights) and all(p.built for p in parts)
+
+
 def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequence[int] | None,
                dtype: str) -> tf_keras.Model:
     """``model_factory()`` built with lazy variables: paths and shapes, no storage.
@@ -48,7 +58,7 @@ def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequenc
     from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
     with lazy_variable.lazy_init_scope():
         model = model_factory()
-        if not model.built and input_shape is not None:
+        if not is_built(model) and input_shape is not None:
             model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
     return model
 

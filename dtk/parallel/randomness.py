@@ -168,6 +168,7 @@ class _StepState(threading.local):
         # The generators of the user layers whose call is running (innermost last): their
         # tf_keras.backend.random_* calls draw from it (``_install_backend_draws``).
         self.backend: list["IndexedRandomGenerator"] = []
+        self.routing = 0  # inside a routed tf.random draw (its fallback calls TensorFlow's)
 
 
 _state = _StepState()
@@ -387,6 +388,67 @@ def _install_backend_draws() -> None:
 
             wrapped._dtk = True  # pylint: disable=protected-access
             setattr(module, name, wrapped)
+
+
+# TensorFlow's own stateful draws, which a model's train_step may call itself (keras.io's GAN:
+# ``tf.random.normal(shape=(batch_size, self.latent_dim))``): stateful random ops have no DTensor
+# expansion at all ("Stateful random operations are not supported in DTensor").
+_TF_DRAWS = {"normal": "random_normal", "uniform": "random_uniform",
+             "truncated_normal": "truncated_normal"}
+
+
+def _install_tf_draws() -> None:
+    """Routes ``tf.random.normal / uniform / truncated_normal`` to the innermost generator of
+    ``_state.backend`` (a user layer's, else the step's: ``step_draws``) while a step scope is
+    active; TensorFlow's own function otherwise, and for what dtk cannot draw (integer values,
+    a dynamic shape), where Keras's generator draws."""
+    import inspect  # pylint: disable=g-import-not-at-top
+    for name, method in _TF_DRAWS.items():
+        original = getattr(tf.random, name)
+        if getattr(original, "_dtk", False):
+            continue
+        signature = inspect.signature(original)
+
+        def wrapped(*args, __original=original, __method=method, __signature=signature,
+                    **kwargs):
+            if not _state.backend or _state.step is None or _state.routing:
+                return __original(*args, **kwargs)
+            a = dict(__signature.bind(*args, **kwargs).arguments)
+            a.pop("name", None)
+            generator = _state.backend[-1]
+            saved, generator._seed = generator._seed, a.pop("seed", None)  # pylint: disable=protected-access
+            _state.routing += 1  # Keras's fallback draws call TensorFlow's own
+            try:
+                return getattr(generator, __method)(**a)
+            finally:
+                _state.routing -= 1
+                generator._seed = saved  # pylint: disable=protected-access
+
+        wrapped._dtk = True  # pylint: disable=protected-access
+        setattr(tf.random, name, wrapped)
+
+
+def step_generator(model: tf_keras.Model, *, seed: int) -> "IndexedRandomGenerator":
+    """The generator of the draws a model's own ``train_step`` makes with ``tf.random.*`` or
+    ``tf_keras.backend.random_*`` (``step_draws``): keyed like a layer's, by a layer number no
+    layer of the model has."""
+    generator = IndexedRandomGenerator(seed=None)
+    generator._dtk_seed = int(seed)  # pylint: disable=protected-access
+    generator._dtk_layer = len(list(model._flatten_layers(include_self=False)))  # pylint: disable=protected-access
+    return generator
+
+
+@contextlib.contextmanager
+def step_draws(generator: "IndexedRandomGenerator") -> Iterator[None]:
+    """Within it (and a ``step_scope``), the step's own draws come from ``generator``: the same
+    on every mesh."""
+    _install_tf_draws()
+    _install_backend_draws()
+    _state.backend.append(generator)
+    try:
+        yield
+    finally:
+        _state.backend.pop()
 
 
 def _draws_backend(layer) -> bool:

@@ -80,9 +80,11 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
                                    allow_replicated=allow_replicated, input_shape=input_shape,
                                    input_dtype=input_dtype)
-    on_mesh(model, mesh, batch_axis=batch_axis)
+    on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
     _save_through_a_plain_twin(model, model_factory, input_shape)
     compiled = getattr(model, "_dtk_compiled", None) or {}
+    for attr, (cls, config) in (compiled.get("attributes") or {}).items():
+        setattr(model, attr, cls.from_config(dict(config)))  # bound by the compile below
     if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
         cls, config = compiled["optimizer"]
         # Through tf_keras.Model.compile: a model with its own compile() signature (keras.io's
@@ -113,12 +115,13 @@ def _save_through_a_plain_twin(model: tf_keras.Model, model_factory: Callable,
     model.save = save
 
 
-def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATCH_AXIS
-            ) -> tf_keras.Model:
+def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATCH_AXIS,
+            seed: int = 0) -> tf_keras.Model:
     """Makes a laid-out model's ``compile``, ``fit``, ``evaluate`` and ``predict`` run on ``mesh``
     (see the module docstring); ``distribute`` calls it. Returns ``model``."""
     require_keras2(model, "model")
     state = _MeshState(mesh, batch_axis)
+    state.generator = randomness.step_generator(model, seed=seed)
     object.__setattr__(model, "_dtk_mesh_state", state)
     cls_compile = type(model).compile
 
@@ -168,6 +171,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             return _method(self, *args, **kwargs)
 
         setattr(model, name, types.MethodType(checked, model))
+    _eager_calls_on_mesh(model, mesh)
     model.make_train_function = types.MethodType(_maker("train_step", "train_function"), model)
     model.make_test_function = types.MethodType(_maker("test_step", "test_function"), model)
     model.make_predict_function = types.MethodType(
@@ -262,10 +266,10 @@ def _maker(step_name: str, attr: str) -> Callable:
         training = step_name == "train_step"
 
         def body(data):
-            optimizer = getattr(self, "optimizer", None)
-            iterations = getattr(optimizer, "iterations", None)
+            iterations = _step_counter(self)
             if training and iterations is not None:
-                with randomness.step_scope(iterations.read_value()):
+                with randomness.step_scope(iterations.read_value()), \
+                        randomness.step_draws(state.generator):
                     return step(data)
             if step_name == "predict_step":  # outputs to the host whole, on every client
                 return tf.nest.map_structure(
@@ -317,6 +321,39 @@ def _maker(step_name: str, attr: str) -> Callable:
         return function
 
     return make
+
+
+def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
+    """Lets the model and the models inside it be called eagerly on host values (a callback's
+    ``self.model.generator(noise)``, keras.io's GANMonitor; ``model(x)`` in a notebook): the
+    inputs are copied to the mesh, replicated, and the output is a replicated DTensor that
+    ``.numpy()`` reads. Inside dtk's compiled steps the inputs are already on the mesh."""
+    models = [model] + [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                        if isinstance(layer, tf_keras.Model)]
+    for each in models:
+        original = each.call
+
+        def call(inputs, *args, __call=original, **kwargs):
+            if tf.executing_eagerly():
+                inputs = tf.nest.map_structure(
+                    lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(
+                        mesh, t.shape.rank)) if tf.is_tensor(t) and not dtensor.is_dtensor(t)
+                    else t, inputs)
+            return __call(inputs, *args, **kwargs)
+
+        each.call = call
+
+
+def _step_counter(model: tf_keras.Model) -> tf.Variable | None:
+    """The counter that keys a train step's random draws: ``model.optimizer.iterations``; for a
+    model whose own ``train_step`` steps optimizers it keeps itself (keras.io's GAN: ``compile()``
+    with no optimizer leaves Keras's default RMSprop, which never steps), the first of those."""
+    own = [value for attr, value in vars(model).items()
+           if not attr.startswith("_") and attr != "optimizer"
+           and isinstance(value, tf_keras.optimizers.Optimizer)]
+    if own and type(model).train_step is not tf_keras.Model.train_step:
+        return own[0].iterations
+    return getattr(getattr(model, "optimizer", None), "iterations", None)
 
 
 def _bind_metric_objects(metrics: Any, mesh: dtensor.Mesh) -> Any:
@@ -383,7 +420,8 @@ def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
                 "create it without mesh= (dtk binds it to the model's mesh) or with the model's")
         if bound_to is not None:
             continue
-        if tf.executing_eagerly() and int(value.iterations.numpy()):
+        steps = np.asarray(value.iterations.numpy()) if tf.executing_eagerly() else None
+        if steps is not None and steps.shape == () and int(steps):
             raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "
                              "mesh; compile the laid-out model with a new optimizer")
         config = value.get_config()
