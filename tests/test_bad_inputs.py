@@ -464,12 +464,13 @@ except ValueError as e:
                      res.stdout), res.stdout[-2000:]
 
 
-def test_an_id_outside_a_row_sharded_table_is_one_clear_error():
+@pytest.mark.parametrize("case", ["predict", "fit", "sparse fit"])
+def test_an_id_outside_a_row_sharded_table_is_one_clear_error(case):
     """An id beyond a row-sharded table's rows (issue 59: predict raised a raw
     InvalidArgumentError, and fit with sparse tables a raw CancelledError while it formatted its
     own message): one error naming the layer, its rows, the ids and the fix, for the Trainer's
-    fit (dense and sparse updates) and predict, and Keras's predict on a dtk.distribute model.
-    In its own process: a failed DTensor step cancels the collectives."""
+    fit (dense and sparse updates) and predict. Each in its own process: a failed DTensor step
+    cancels the process's collectives, and every later step reports only that."""
     code = """
 import functools, numpy as np, tensorflow as tf, tf_keras
 import tests.conftest
@@ -487,25 +488,26 @@ def trainer(sparse):
     return dtk.Trainer(mesh=mesh, model=factory, layout="recsys", loss="binary_crossentropy",
                        optimizer=dtk.make_optimizer("adagrad", mesh, learning_rate=0.1),
                        config=dtk.TrainerConfig(verbose=0, sparse_tables=sparse))
-def keras_predict():
-    model = dtk.distribute(factory, mesh, layout="recsys")
-    model.compile(optimizer="adagrad", loss="binary_crossentropy")
-    model.predict(x, batch_size=32, verbose=0)
-for name, call in [("fit", lambda: trainer(False).fit(data(), epochs=1)),
-                   ("sparse fit", lambda: trainer(True).fit(data(), epochs=1)),
-                   ("predict", lambda: trainer(False).predict(data())),
-                   ("keras predict", keras_predict)]:
-    try:
-        call()
-        print("NO ERROR", name)
-    except Exception as e:
-        print("ERROR", name, type(e).__name__, str(e).replace(chr(10), " "))
+call = {"predict": lambda: trainer(False).predict(data()),
+        "fit": lambda: trainer(False).fit(data(), epochs=1),
+        "sparse fit": lambda: trainer(True).fit(data(), epochs=1)}[CASE]
+try:
+    call()
+    print("NO ERROR")
+except Exception as e:
+    print("ERROR", type(e).__name__, str(e).replace(chr(10), " "))
 """
-    res = procs.run_python(code, timeout=300)
+    res = procs.run_python(code.replace("[CASE]", f"[{case!r}]"), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [l for l in res.stdout.splitlines() if l.startswith(("ERROR", "NO ERROR"))]
-    assert len(lines) == 4, res.stdout[-3000:]
+    assert len(lines) == 1, res.stdout[-3000:]
     for line in lines:
+        if "an id is outside the rows of Embedding table0 (its table" not in line:
+            # The failing device's error lost the race to the others' cancelled collectives
+            # (rare; more so on a busy machine): the message names the tables and the check.
+            assert "a cancelled collective" in line and "Embedding table0 (64 rows)" in line \
+                and "check that every id is below its table's rows" in line, line
+            continue
         assert "an id is outside the rows of Embedding table0 (its table has 64 rows, sharded " \
                "on them over mesh axis model): ids must be in [0, 64); give the layer " \
                "input_dim above the largest id" in line and "[100]" in line, line

@@ -792,12 +792,15 @@ def row_sharded_lookup(table: Any, ids: tf.Tensor, layout: dtensor.Layout,
     ids_specs = [ids_axis] + [unsharded] * (ids.shape.rank - 1)
     ids = dtensor.relayout(ids, dtensor.Layout(ids_specs, mesh))
     # An id outside the table would find no owner and look up zeros; plain Keras fails on it.
+    # A device that fails here cancels the collectives the others wait in, and the step's error
+    # may then be one of those cancellations: the Trainer names the tables then (_tables_hint).
+    low, high = tf.reduce_min(ids), tf.reduce_max(ids)
     in_range = tf.reduce_all(tf.logical_and(ids >= 0, ids < rows))
     checked = tf.debugging.Assert(in_range, [
         f"{ID_OUTSIDE} Embedding {name or 'table'} (its table has {rows} rows, sharded on them "
         f"over mesh axis {rows_axis}): ids must be in [0, {rows}); give the layer input_dim "
         "above the largest id, or map the ids into range (e.g. hashing). The smallest "
-        "and largest ids of the batch:", tf.reduce_min(ids), tf.reduce_max(ids)], summarize=2)
+        "and largest ids of the batch:", low, high], summarize=2)
     with tf.control_dependencies([checked]):
         ids = tf.identity(ids)
     value = dtensor.relayout(tf.convert_to_tensor(table), layout)

@@ -486,6 +486,15 @@ class Trainer:
             unsupported = op_support.explain_failure(str(e), self.model)
             if unsupported:
                 raise ValueError(unsupported) from e
+            # A step that fails on one device cancels the others' collectives, and the error
+            # reported may be a cancellation: an id outside a row-sharded table is then found
+            # by the forward pass alone.
+            found = None if op_support.ID_OUTSIDE in str(e) else self._diagnose_ids()
+            hint = ""
+            if found:
+                e = found
+            elif op_support.ID_OUTSIDE not in str(e):
+                hint = self._tables_hint()
             # DTensor runs steps asynchronously: the failure may surface a step or two later.
             try:
                 where = f", at or before step {self.global_step + 1}"
@@ -493,7 +502,40 @@ class Trainer:
                 context.async_clear_error()
                 where = ""
             raise ValueError(f"a step failed in epoch {epoch + 1}{where}: {first_line(e)}"
-                             f"{_RESTART_NOTE}") from e
+                             f"{hint}{_RESTART_NOTE}") from e
+
+    def _tables_hint(self) -> str:
+        """For a step whose reported error is a cancelled collective (another device's op failed
+        first, and DTensor reported the cancellation): the row-sharded tables, whose id check
+        is the usual cause."""
+        tables = [(layer.name, int(layer.input_dim)) for layer in self.model._flatten_layers()  # pylint: disable=protected-access
+                  if getattr(layer, "_dtk_table_layout", None) is not None]
+        if not tables:
+            return ""
+        named = ", ".join(f"Embedding {name} ({rows} rows)" for name, rows in tables[:4])
+        return (f" (where the error is a cancelled collective, an op on another device failed "
+                f"first. This model looks up tables sharded on their rows, {named}: "
+                f"{op_support.ID_OUTSIDE} a table fails so, in a new process; check that every "
+                "id is below its table's rows)")
+
+    def _diagnose_ids(self) -> tf.errors.OpError | None:
+        """The error of the last batch's forward pass, where it finds an id outside a table
+        sharded on its rows (``ops.row_sharded_lookup``'s check), else None."""
+        batch = getattr(self, "_last_batch", None)
+        if batch is None or not any(getattr(layer, "_dtk_table_layout", None) is not None
+                                    for layer in self.model._flatten_layers()):  # pylint: disable=protected-access
+            return None
+        features = batch[0]
+        steps = [features] if not _is_stacked(batch) else [
+            tf.nest.map_structure(lambda t, i=i: t[i], features) for i in range(_num_steps(batch))]
+        for one in steps:
+            try:
+                self.steps.predict(one)
+            except tf.errors.OpError as e:
+                context.async_clear_error()
+                if op_support.ID_OUTSIDE in str(e):
+                    return e
+        return None
 
     def _epoch_items(self, data, epoch, skip):
         """The epoch's items; under ``steps_per_execution="auto"``, re-stacked as it decides.
@@ -532,6 +574,7 @@ class Trainer:
                 if left < n:
                     batch, n = _first_steps(batch, left), left
             start = time.perf_counter()
+            self._last_batch = batch  # for a failed step's diagnosis (_diagnose_ids)
             loss = self.steps.train(batch, stacked=_is_stacked(batch))
             if self.timing.first_step_s is None:
                 float(loss)
@@ -727,7 +770,8 @@ class Trainer:
                     lambda out: ckpt_lib.global_value(out)[keep], self.steps.predict(features)))
         except tf.errors.OpError as e:
             context.async_clear_error()
-            raise ValueError(f"prediction failed: {first_line(e)}") from e
+            hint = self._tables_hint() if op_support.ID_OUTSIDE not in str(e) else ""
+            raise ValueError(f"prediction failed: {first_line(e)}{hint}") from e
         if not outputs:
             return np.zeros((0,))
         return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *outputs)
