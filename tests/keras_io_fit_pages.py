@@ -35,6 +35,8 @@ class Page:
     changed: str = ""
     input_shape: tuple[int, ...] | None = None
     draws: bool = False  # the model draws random numbers in training (Dropout, sampling)
+    rtol: float = 1e-5  # the agreement asked of every logged number
+    atol: float = 1e-6
 
 
 def _rng(seed=0):
@@ -912,3 +914,111 @@ PAGES["dcgan"] = Page(
     page="DCGAN to generate face images (its own compile(), two optimizers)", factory=dcgan,
     fit=_faces_fit, draws=True,
     changed="16x16 images, 8-16 filters, latent dim 8; random images for the faces")
+
+
+# -- "Mixed precision" guide ------------------------------------------------------------------
+def mixed_precision_guide():
+    from tf_keras import mixed_precision  # pylint: disable=import-outside-toplevel
+    mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        inputs = tf_keras.Input(shape=(16,), name="digits")
+        num_units = 32
+        dense1 = layers.Dense(num_units, activation="relu", name="dense_1")
+        x = dense1(inputs)
+        dense2 = layers.Dense(num_units, activation="relu", name="dense_2")
+        x = dense2(x)
+        x = layers.Dense(10, name="dense_logits")(x)
+        outputs = layers.Activation("softmax", dtype="float32", name="predictions")(x)
+        model = tf_keras.Model(inputs=inputs, outputs=outputs)
+        model.compile(loss="sparse_categorical_crossentropy",
+                      optimizer=tf_keras.optimizers.RMSprop(), metrics=["accuracy"])
+    finally:
+        mixed_precision.set_global_policy("float32")
+    return model
+
+
+def _mixed_precision_fit():
+    rng = _rng(13)
+    x = rng.standard_normal((5 * B, 16)).astype(np.float32)
+    y = rng.integers(0, 10, 5 * B).astype(np.int64)
+    return dict(x=x, y=y, batch_size=B, epochs=2, validation_split=0.2, verbose=0)
+
+
+PAGES["mixed_precision"] = Page(
+    page="Mixed precision (the guide's model and fit, policy mixed_bfloat16)",
+    factory=mixed_precision_guide, fit=_mixed_precision_fit,
+    changed="the policy is mixed_bfloat16 (the guide's choice for TPUs; CPUs compute bfloat16, "
+    "and it needs no loss scaling), set inside the factory and reset after it (the page sets it "
+    "for the process); 16 features, 32 units. A batch split over devices sums its bfloat16 "
+    "gradients in another order than one device, so the numbers agree to bfloat16's precision "
+    "(2e-2) and the accuracies within one example, not to 1e-5",
+    rtol=2e-2, atol=1.0 / B)
+
+
+# -- "OCR model for reading Captchas" (CTC loss added by a layer) ------------------------------
+OCR = dict(img_width=32, img_height=8, max_length=3, characters=9)
+
+
+class CTCLayer(layers.Layer):
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.loss_fn = tf_keras.backend.ctc_batch_cost
+
+    def call(self, y_true, y_pred):
+        batch_len = tf.cast(tf.shape(y_true)[0], dtype="int64")
+        input_length = tf.cast(tf.shape(y_pred)[1], dtype="int64")
+        label_length = tf.cast(tf.shape(y_true)[1], dtype="int64")
+        input_length = input_length * tf.ones(shape=(batch_len, 1), dtype="int64")
+        label_length = label_length * tf.ones(shape=(batch_len, 1), dtype="int64")
+        loss = self.loss_fn(y_true, y_pred, input_length, label_length)
+        self.add_loss(loss)
+        return y_pred
+
+
+def ocr_model():
+    img_width, img_height = OCR["img_width"], OCR["img_height"]
+    input_img = layers.Input(shape=(img_width, img_height, 1), name="image", dtype="float32")
+    labels = layers.Input(name="label", shape=(OCR["max_length"],), dtype="float32")
+    x = layers.Conv2D(8, (3, 3), activation="relu", kernel_initializer="he_normal",
+                      padding="same", name="Conv1")(input_img)
+    x = layers.MaxPooling2D((2, 2), name="pool1")(x)
+    x = layers.Conv2D(8, (3, 3), activation="relu", kernel_initializer="he_normal",
+                      padding="same", name="Conv2")(x)
+    x = layers.MaxPooling2D((2, 2), name="pool2")(x)
+    new_shape = ((img_width // 4), (img_height // 4) * 8)
+    x = layers.Reshape(target_shape=new_shape, name="reshape")(x)
+    x = layers.Dense(16, activation="relu", name="dense1")(x)
+    x = layers.Dropout(0.2)(x)
+    x = layers.Bidirectional(layers.LSTM(8, return_sequences=True, dropout=0.25,
+                                         unroll=True))(x)
+    x = layers.Dense(OCR["characters"] + 1, activation="softmax", name="dense2")(x)
+    output = CTCLayer(name="ctc_loss")(labels, x)
+    model = tf_keras.models.Model(inputs=[input_img, labels], outputs=output,
+                                  name="ocr_model_v1")
+    opt = tf_keras.optimizers.Adam()
+    model.compile(optimizer=opt)
+    return model
+
+
+def _captchas_fit():
+    rng = _rng(14)
+
+    def dataset(n):
+        images = rng.random((n, OCR["img_width"], OCR["img_height"], 1), dtype=np.float32)
+        labels = rng.integers(1, OCR["characters"] + 1, (n, OCR["max_length"])).astype(
+            np.float32)  # char_to_num's ids (0 is its OOV token)
+        return tf.data.Dataset.from_tensor_slices({"image": images, "label": labels}).batch(B)
+
+    return dict(x=dataset(4 * B), validation_data=dataset(B), epochs=2, verbose=0,
+                callbacks=[tf_keras.callbacks.EarlyStopping(monitor="val_loss", patience=10,
+                                                            restore_best_weights=True)])
+
+
+PAGES["ocr_ctc"] = Page(
+    page="OCR model for reading Captchas (CTC loss through add_loss)", factory=ocr_model,
+    fit=_captchas_fit, draws=True,
+    changed="32x8 images, 3 characters of 9, 8 filters, one BiLSTM of 8 units; labels of a "
+    "static length (shape=(3,), not (None,)) and the LSTM with unroll=True (its dropout masks "
+    "are cached per graph, which dtk refuses with that fix): dtk unrolls the CTC recursion over "
+    "static lengths; Keras's ctc_batch_cost runs as dtk's equivalent on the mesh "
+    "(dtk.parallel.ops.ctc_batch_cost)")

@@ -193,5 +193,5 @@ def test_keras_io_fit_page(name):
     for spec, got in histories.items():
         assert set(got) == set(want), (spec, sorted(got), sorted(want))
         for key in want:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+            np.testing.assert_allclose(got[key], want[key], rtol=page.rtol, atol=page.atol,
                                        err_msg=f"{name} on {spec} vs {label}: {key}")

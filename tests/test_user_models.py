@@ -78,6 +78,33 @@ def test_extract_patches_equals_tensorflow(size, patch, stride, rate, padding):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("lengths, inputs, repeat", [
+    ((3, 2, 1, 3), (8, 8, 5, 6), False), ((3, 3, 2, 1), (8, 4, 8, 8), True),
+    ((3, 3, 3, 3), (5, 8, 4, 8), True)])
+def test_ctc_batch_cost_equals_keras(lengths, inputs, repeat):
+    """keras.io's OCR page adds Keras's ctc_batch_cost as a loss; DTensor cannot lay out its
+    sparse labels and CTCLoss. dtk's forward algorithm gives its values and gradients: with
+    short labels, padding past label_length and input_length, repeated labels (a blank
+    between them, 4 frames for 3 labels)."""
+    rng = np.random.default_rng(3)
+    batch, steps, classes, width = 4, 8, 6, 3
+    y_pred = tf.nn.softmax(tf.constant(rng.standard_normal((batch, steps, classes)) * 2,
+                                       tf.float32))
+    labels = rng.integers(0, classes - 1, (batch, width))
+    if repeat:
+        labels[:, 1] = labels[:, 0]
+    y_true = tf.constant(labels, tf.float32)
+    input_length = tf.constant(np.array(inputs)[:, None], tf.int64)
+    label_length = tf.constant(np.array(lengths)[:, None], tf.int64)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(y_pred)
+        want = tf_keras.backend.ctc_batch_cost(y_true, y_pred, input_length, label_length)
+        got = op_support.ctc_batch_cost(y_true, y_pred, input_length, label_length)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tape.gradient(got, y_pred), tape.gradient(want, y_pred),
+                               rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("size, pool, stride, padding", [
     ((8, 8), 2, 2, "VALID"), ((7, 9), 2, 2, "VALID"), ((8, 8), 3, 2, "SAME"),
     ((7, 7), 3, 1, "SAME"), ((8, 6), 3, 2, "VALID")])

@@ -709,6 +709,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     if isinstance(model_factory, tf_keras.Model):
         raise TypeError("build_model needs the model FACTORY (a function that builds the model), "
                         "not a built model: DTensor weights must be created under the layouts")
+    op_support.install_equivalents()  # before the factory: a layer may keep the function
     # The plain build draws its initial values with the user's RNG mode, so they equal a
     # single-device `set_random_seed(seed); model_factory()` in this process exactly.
     tf_keras.utils.set_random_seed(seed)

@@ -313,6 +313,53 @@ def extract_patches(images, sizes, strides, rates, padding, name=None):
     return out if dtype.is_floating else tf.cast(out, dtype)
 
 
+def ctc_batch_cost(y_true, y_pred, input_length, label_length):
+    """``tf_keras.backend.ctc_batch_cost`` from ops DTensor can lay out (its dense-to-sparse
+    labels and ``CTCLoss`` have no layout propagation): the same values and gradients.
+
+    The CTC forward algorithm in log space over the labels extended with blanks (the last
+    class), one step per frame (unrolled over the static frame count), on the same log
+    probabilities Keras gives ``CTCLoss`` (``log_softmax(log(y_pred + epsilon))``). Emissions are
+    read with a one-hot product (exact), and frames past ``input_length`` keep their state.
+    Where Keras's op raises (an empty label; a label that needs more frames than it has), the
+    loss here is the probability of all blanks, and about 1e30.
+
+    Returns:
+      ``[batch, 1]`` losses, as Keras's.
+    """
+    steps, classes = int(y_pred.shape[1]), int(y_pred.shape[2])
+    width = int(y_true.shape[1])
+    label_length = tf.cast(tf.squeeze(label_length, axis=-1), tf.int32)
+    input_length = tf.cast(tf.squeeze(input_length, axis=-1), tf.int32)
+    logp = tf.nn.log_softmax(tf.math.log(y_pred + tf_keras.backend.epsilon()), axis=-1)
+    labels = tf.cast(y_true, tf.int32)
+    blank = tf.zeros_like(labels) + (classes - 1)
+    extended = tf.reshape(tf.stack([blank, labels], axis=2), [-1, 2 * width])
+    extended = tf.concat([extended, blank[:, :1]], axis=1)  # [B, S]: blank, l1, blank, ..., blank
+    size = 2 * width + 1
+    emit = tf.einsum("btc,bsc->bts", logp, tf.one_hot(extended, classes, dtype=logp.dtype))
+    neg = tf.constant(-1e30, logp.dtype)
+    position = tf.range(size)[None, :]
+    valid = position < (2 * label_length + 1)[:, None]
+    skip = tf.concat([tf.zeros_like(extended[:, :2], tf.bool),
+                      tf.logical_and(tf.not_equal(extended[:, 2:], classes - 1),
+                                     tf.not_equal(extended[:, 2:], extended[:, :-2]))], axis=1)
+    alpha = tf.where(tf.logical_and(valid, position < 2), emit[:, 0, :], neg)
+    for t in range(1, steps):
+        one = tf.concat([tf.fill(tf.shape(alpha[:, :1]), neg), alpha[:, :-1]], axis=1)
+        two = tf.concat([tf.fill(tf.shape(alpha[:, :2]), neg), alpha[:, :-2]], axis=1)
+        two = tf.where(skip, two, neg)
+        new = tf.reduce_logsumexp(tf.stack([alpha, one, two]), axis=0) + emit[:, t, :]
+        new = tf.where(valid, new, neg)
+        alpha = tf.where((t < input_length)[:, None], new, alpha)
+    last = tf.one_hot(2 * label_length, size, dtype=alpha.dtype)
+    before = tf.one_hot(2 * label_length - 1, size, dtype=alpha.dtype)  # none for no label
+    end = tf.reduce_sum(alpha * last, axis=1)
+    end_before = tf.where(label_length > 0, tf.reduce_sum(alpha * before, axis=1), neg)
+    loss = -tf.reduce_logsumexp(tf.stack([end, end_before]), axis=0)
+    return tf.expand_dims(loss, 1)
+
+
 class _DuringSteps:
     """Replaces ``tf.<module>.<name>`` (``tf.image.extract_patches``) while dtk traces a step
     on the mesh (``during_steps``), for user code that calls it itself (a keras.io page's own
@@ -337,7 +384,23 @@ class _DuringSteps:
         setattr(self.module, self.name, wrapped)
 
 
-_DURING_STEPS = (_DuringSteps(tf.image, "extract_patches", extract_patches),)
+def _keras_backends() -> tuple[Any, ...]:
+    from tf_keras import backend as public  # pylint: disable=g-import-not-at-top
+    from tf_keras.src import backend as private  # pylint: disable=g-import-not-at-top
+    return public, private
+
+
+_DURING_STEPS = (_DuringSteps(tf.image, "extract_patches", extract_patches),
+                 *(_DuringSteps(module, "ctc_batch_cost", ctc_batch_cost)
+                   for module in _keras_backends()))
+
+
+def install_equivalents() -> None:
+    """Puts the pass-through wrappers of ``_DURING_STEPS`` in place before a model is built: a
+    layer that keeps the function itself (keras.io's OCR ``CTCLayer``: ``self.loss_fn =
+    keras.backend.ctc_batch_cost`` in ``__init__``) then holds the wrapper."""
+    for r in _DURING_STEPS:
+        r.install()
 
 
 class during_steps:  # pylint: disable=invalid-name
