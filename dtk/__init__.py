@@ -50,6 +50,7 @@ _EXPORTS = {
     "StepConfig": "dtk.train.steps",
     "Steps": "dtk.train.steps",
     "distribute": "dtk.train.distribute",
+    "CheckpointCallback": "dtk.train.distribute",
     "History": "dtk.train.trainer",
     "Trainer": "dtk.train.trainer",
     "TrainerConfig": "dtk.train.trainer",
@@ -107,5 +108,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.optimizers import make_loss, make_metrics, make_optimizer  # noqa: F401
     from dtk.planning.planner import Plan, PlanError, plan  # noqa: F401
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
-    from dtk.train.distribute import distribute  # noqa: F401
+    from dtk.train.distribute import CheckpointCallback, distribute  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

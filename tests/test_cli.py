@@ -304,7 +304,8 @@ COMMANDS = [
                                              "dtk-explain")],
     [sys.executable, "-m", "dtk.cluster.launch"], [os.path.join(_BIN, "dtk-launch")],
 ]
-ABSL = {"bench_checkpoint.py", "bench_input.py", "keras_io_zoo.py", "show_mesh.py", "zoo.py",
+ABSL = {"bench_checkpoint.py", "bench_input.py", "keras_io_pages.py", "keras_io_zoo.py",
+        "show_mesh.py", "zoo.py",
         "train_lm.py", "train_mnist.py", "train_recsys.py", "tune_mnist.py", "dtk-train-mnist",
         "dtk-train-lm", "dtk-train-recsys", "dtk-tune-mnist"}
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
+from tensorflow.experimental import dtensor
 
 import dtk
 
@@ -387,3 +388,62 @@ def test_the_trainer_applies_the_ema_at_the_end_of_fit_as_keras_does():
     plain.compile(optimizer=adam(), loss=tf_keras.losses.BinaryCrossentropy())
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     _close_weights(plain, trainer.model)
+
+
+def _dropout_compiled(spec):
+    model = dtk.distribute(functools.partial(_mlp, dropout=0.3), dtk.build_mesh(spec),
+                           layout=_layout(spec), seed=0, allow_replicated=True)
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def test_dtk_checkpoints_as_a_callback_resume_exactly_across_meshes(tmp_path):
+    """dtk.CheckpointCallback under Keras's own fit: a run with Dropout killed after epoch 2 on
+    batch=8 resumes on batch=4,model=2 at epoch 3 with the uninterrupted run's numbers (the step
+    counter is restored, so the dropout masks continue); on the same mesh, bit for bit. (One run
+    writes a directory at a time: the Checkpointer's lock, tested across processes in
+    test_checkpoint_faults.)"""
+    x, y = _binary_data(192)
+    fit = functools.partial(_fit_no_shuffle, x, y)
+    full = fit(_dropout_compiled("batch=4,model=2"), [])
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(_dropout_compiled("batch=8"), [dtk.CheckpointCallback(tmp_path / "a"), _Killed()])
+    callback = dtk.CheckpointCallback(tmp_path / "a")
+    resumed = fit(_dropout_compiled("batch=4,model=2"), [callback])
+    assert callback.restored_epoch == 2
+    np.testing.assert_allclose(resumed, full[2:], rtol=1e-5)
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(_dropout_compiled("batch=4,model=2"),
+            [dtk.CheckpointCallback(tmp_path / "b"), _Killed()])
+    assert fit(_dropout_compiled("batch=4,model=2"),
+               [dtk.CheckpointCallback(tmp_path / "b")]) == full[2:]
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+def test_fsdp_under_keras_fit_is_keras(spec):
+    """dtk.distribute(fsdp=True): the weights stored cut over batch and gathered for each
+    layer's call; Keras's own fit gives plain tf_keras's numbers (1e-5), and the optimizer state
+    is stored cut like the weights."""
+    x, y = _binary_data(128)
+
+    def factory():
+        return tf_keras.Sequential([
+            tf_keras.layers.Dense(64, activation="relu", input_shape=(12,), name="d1"),
+            tf_keras.layers.Dense(32, activation="relu", name="d3"),
+            tf_keras.layers.Dense(1, activation="sigmoid", name="d2")])
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        return model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(factory())
+    model = dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                           allow_replicated=True, fsdp=True)
+    got = run(model)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    kernel = model.get_layer("d1").kernel
+    assert "batch" in dtensor.fetch_layout(kernel).sharding_specs
+    slots = [v for v in model.optimizer.variables if tuple(v.shape) == tuple(kernel.shape)]
+    assert slots and all("batch" in dtensor.fetch_layout(v).sharding_specs for v in slots)

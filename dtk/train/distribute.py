@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,15 +43,17 @@ from tensorflow.experimental import dtensor
 
 from dtk.data.input import pack
 from dtk.keras_check import require_keras2
-from dtk.parallel import layouts, ops, randomness
+from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
+
+_log = logging.getLogger("dtk")
 
 
 def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, *,
                layout: layouts.LayoutTable | str = "data_parallel", seed: int = 0,
                input_shape: Sequence[int] | None = None, input_dtype: str = "float32",
-               strict: bool = False, allow_replicated: bool = False,
+               strict: bool = False, allow_replicated: bool = False, fsdp: bool = False,
                batch_axis: str = BATCH_AXIS) -> tf_keras.Model:
     """``model_factory()`` laid out on ``mesh``, trained by tf_keras's own ``fit``.
 
@@ -64,6 +67,9 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         the plain build's with this seed, and dtk's random layers draw from it.
       input_shape, input_dtype: one example's shape for a subclassed model (built by a call).
       strict, allow_replicated: as for ``dtk.build_model``.
+      fsdp: store each weight cut over the batch axis and gather it for its layer's call
+        (``dtk.parallel.fsdp``; as ``TrainerConfig(fsdp=True)``): weights, gradients and
+        optimizer state take 1/N of the memory per device.
       batch_axis: the mesh axis the batch is split over.
 
     Returns:
@@ -79,7 +85,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     check_batch_axis(mesh, batch_axis)
     model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
                                    allow_replicated=allow_replicated, input_shape=input_shape,
-                                   input_dtype=input_dtype)
+                                   input_dtype=input_dtype, fsdp=fsdp)
     on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
     _save_through_a_plain_twin(model, model_factory, input_shape)
     compiled = getattr(model, "_dtk_compiled", None) or {}
@@ -278,7 +284,11 @@ def _maker(step_name: str, attr: str) -> Callable:
             return step(data)
 
         def traced_body(data):
-            with ops.during_steps():  # tf.image.extract_patches in user code: dtk's equivalent
+            # tf.image.extract_patches in user code runs as dtk's equivalent; FSDP weights are
+            # read gathered (the optimizer's update reads their stored shards: _dense_updates).
+            # The gathered weights live from the forward pass to the backward one here (the
+            # Trainer gathers them again for the backward pass instead).
+            with ops.during_steps(), fsdp.gather_scope():
                 return body(data)
 
         traced = tf.function(traced_body, reduce_retracing=True)
@@ -450,7 +460,86 @@ def _dense_updates(optimizer: tf_keras.optimizers.Optimizer) -> None:
     def apply_gradients(grads_and_vars, *args, **kwargs):
         pairs = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
                  for g, v in grads_and_vars]
-        return apply(pairs, *args, **kwargs)
+        with fsdp.gather_scope(False):  # an FSDP weight is updated where it is stored
+            return apply(pairs, *args, **kwargs)
 
     optimizer.apply_gradients = apply_gradients
     optimizer._dtk_dense = True  # pylint: disable=protected-access
+
+
+class CheckpointCallback(tf_keras.callbacks.Callback):
+    """dtk's checkpoints for Keras's own ``fit`` on a ``dtk.distribute`` model.
+
+    What Keras's ``BackupAndRestore`` does, with dtk's checkpoints underneath
+    (``dtk.train.checkpoint.Checkpointer``): each client writes only its own shards of the
+    weights and the optimizer state (every optimizer the model holds, a GAN's two included), one
+    run writes a directory at a time (a lock, released at the end of ``fit``), ``max_to_keep``
+    checkpoints are kept, broken ones are skipped with a warning, and a later ``fit`` on any mesh
+    resumes from the newest one at the epoch after it. The optimizer's step counter is restored
+    with it, so dtk's random draws (Dropout) continue as in the uninterrupted run: the resumed
+    run's numbers are the same.
+
+    Args:
+      directory: where the checkpoints go (shared by every client).
+      max_to_keep: checkpoints kept.
+      asynchronous: write in a background thread (the next epoch starts while it writes).
+
+    Example::
+
+        model.fit(x, y, epochs=10, callbacks=[dtk.CheckpointCallback("/ckpt")])
+        # killed at epoch 6; the same line again resumes at epoch 7
+    """
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3, asynchronous: bool = False):
+        super().__init__()
+        if not isinstance(directory, (str, bytes)) and not hasattr(directory, "__fspath__"):
+            raise TypeError(f"CheckpointCallback(directory=...) must be a path; got "
+                            f"{type(directory).__name__}")
+        self.directory, self.max_to_keep, self.asynchronous = directory, max_to_keep, asynchronous
+        self._checkpointer = None
+        self.restored_epoch: int | None = None  # the epoch the last fit resumed at
+
+    def on_train_begin(self, logs=None):
+        from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+        state = getattr(self.model, "_dtk_mesh_state", None)
+        if state is None:
+            raise ValueError("CheckpointCallback is for a model made by dtk.distribute; this "
+                             f"model {self.model.name!r} is not laid out by dtk (use Keras's "
+                             "BackupAndRestore for a plain model)")
+        optimizer = self.model.optimizer
+        with dtensor.default_mesh(state.mesh):  # its state exists before a restore fills it
+            optimizer.build(self.model.trainable_variables)
+            for value in vars(self.model).values():
+                if value is not optimizer and isinstance(value, tf_keras.optimizers.Optimizer):
+                    value.build(self.model.trainable_variables)
+        self._checkpointer = checkpoint.Checkpointer(
+            self.directory, model=self.model, optimizer=optimizer, mesh=state.mesh,
+            max_to_keep=self.max_to_keep, asynchronous=self.asynchronous)
+        restored = self._checkpointer.restore()
+        self.restored_epoch = None if restored is None else int(restored["epoch"])
+        if self.restored_epoch is not None:
+            _log.info("resumed from %s: epoch %d", self._checkpointer.restored,
+                      self.restored_epoch + 1)
+            self.model._training_state = _ResumeAt(self.restored_epoch)  # pylint: disable=protected-access
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._checkpointer.save({"epoch": epoch + 1},
+                                step=int(self.model.optimizer.iterations.numpy()))
+
+    def on_train_end(self, logs=None):
+        self.model._training_state = None  # pylint: disable=protected-access
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+            self._checkpointer.close()
+            self._checkpointer = None
+
+
+class _ResumeAt:
+    """What ``Model.fit`` asks a restored training state: the epoch to start at."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        del steps_per_epoch, mode
+        return max(initial_epoch, self.epoch), 0
