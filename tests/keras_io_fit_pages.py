@@ -176,7 +176,7 @@ def _distillation_fit():
 
 
 # -- "Image classification with Vision Transformer" ---------------------------------------------
-VIT = dict(image_size=12, patch_size=4, projection_dim=8, num_heads=2, layers=2)
+VIT = dict(image_size=12, patch_size=4, projection_dim=8, num_heads=2, layers=1)
 
 
 def mlp(x, hidden_units, dropout_rate):
@@ -317,7 +317,7 @@ class MixerPatches(layers.Layer):
         return patches
 
 
-def mlp_mixer(num_classes=10, image_size=12, patch_size=4, embedding_dim=8, num_blocks=2,
+def mlp_mixer(num_classes=10, image_size=12, patch_size=4, embedding_dim=8, num_blocks=1,
               dropout_rate=0.2):
     num_patches = (image_size // patch_size) ** 2
     inputs = layers.Input(shape=(image_size, image_size, 3))
@@ -764,12 +764,12 @@ PAGES: dict[str, Page] = {
     "vit": Page(
         page="Image classification with Vision Transformer", factory=vit_classifier,
         fit=_vit_fit, draws=True,
-        changed="12x12 images in 4x4 patches, 2 blocks of dim 8; no augmentation model (its "
+        changed="12x12 images in 4x4 patches, 1 block of dim 8; no augmentation model (its "
         "Normalization is adapted on the training set, its random zoom is another page's)"),
     "mlp_mixer": Page(
         page="Image classification with modern MLP models (MLP-Mixer)", factory=mlp_mixer,
         fit=_mixer_fit, draws=True,
-        changed="12x12 images in 4x4 patches, 2 blocks of dim 8; no augmentation model"),
+        changed="12x12 images in 4x4 patches, 1 block of dim 8; no augmentation model"),
     "seq2seq_transformer": Page(
         page="English-to-Spanish translation with a sequence-to-sequence Transformer",
         factory=seq2seq_transformer, fit=_seq2seq_fit, draws=True,
@@ -991,7 +991,8 @@ def ocr_model():
     x = layers.Dropout(0.2)(x)
     x = layers.Bidirectional(layers.LSTM(8, return_sequences=True, dropout=0.25,
                                          unroll=True))(x)
-    x = layers.Dense(OCR["characters"] + 1, activation="softmax", name="dense2")(x)
+    # the page: len(char_to_num.get_vocabulary()) + 1, the vocabulary with its OOV token
+    x = layers.Dense(OCR["characters"] + 2, activation="softmax", name="dense2")(x)
     output = CTCLayer(name="ctc_loss")(labels, x)
     model = tf_keras.models.Model(inputs=[input_img, labels], outputs=output,
                                   name="ocr_model_v1")

@@ -248,8 +248,8 @@ def make_metric(metric: MetricLike, mesh: dtensor.Mesh) -> tf_keras.metrics.Metr
                 "without mesh= it runs under DTensor but reports wrong values, and dtk cannot "
                 "make it again with mesh= (its class does not take it). Create it with "
                 f"{type(metric).__name__}(..., mesh=mesh) or pass a built-in metric's name")
-        _log.info("metric %r (%s): made again on the mesh from its config (the Trainer's "
-                  "history reports it; the object given is not updated)", metric.name,
+        _log.info("metric %r (%s): made again on the mesh from its config (the training's "
+                  "logs report it; the object given is not updated)", metric.name,
                   type(metric).__name__)
         return rebuilt
     return metric
