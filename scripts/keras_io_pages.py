@@ -56,17 +56,9 @@ def _clock():
     return Clock()
 
 
-def _fit(dtk, page, spec):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    import tf_keras  # pylint: disable=g-import-not-at-top
-    if spec == "plain":
-        tf_keras.utils.set_random_seed(7)
-        model = page.factory()
-        if page.input_shape is not None:
-            model(tf.zeros([1, *page.input_shape]))
-    else:
-        model = dtk.distribute(page.factory, dtk.build_mesh(spec), seed=7,
-                               allow_replicated=True, input_shape=page.input_shape)
+def _fit(page, spec):
+    from tests import keras_io_fit_pages as pages  # pylint: disable=g-import-not-at-top
+    model = pages.model_for(page, spec)
     kwargs = page.fit()
     clock = _clock()
     kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), clock]
@@ -101,12 +93,11 @@ def main(argv):
         page = pages.PAGES[name]
         row = {"page": name, "title": page.page, "changed": page.changed}
         try:
-            plain, row["ms_plain"] = _fit(dtk, page, "plain")
-            ours, row["ms_batch8"] = _fit(dtk, page, "batch=8")
+            plain, row["ms_plain"] = _fit(page, "plain")
+            ours, row["ms_batch8"] = _fit(page, "batch=8")
             if page.draws:
                 row["against"] = "batch=1"
-                row["largest_difference"] = _largest_difference(ours, _fit(dtk, page,
-                                                                           "batch=1")[0])
+                row["largest_difference"] = _largest_difference(ours, _fit(page, "batch=1")[0])
             else:
                 row["against"] = "plain"
                 row["largest_difference"] = _largest_difference(ours, plain)

@@ -39,6 +39,20 @@ class Page:
     atol: float = 1e-6
 
 
+def model_for(page: Page, spec: str, *, seed: int = 7) -> tf_keras.Model:
+    """The page's model: plain tf_keras (``spec="plain"``, seeded as ``dtk.distribute`` seeds),
+    or with the one line ``dtk.distribute`` on mesh ``spec``."""
+    if spec == "plain":
+        tf_keras.utils.set_random_seed(seed)
+        model = page.factory()
+        if page.input_shape is not None:
+            model(tf.zeros([1, *page.input_shape]))
+        return model
+    import dtk  # pylint: disable=import-outside-toplevel
+    return dtk.distribute(page.factory, dtk.build_mesh(spec), seed=seed, allow_replicated=True,
+                          input_shape=page.input_shape)
+
+
 def _rng(seed=0):
     return np.random.default_rng(seed)
 
@@ -78,7 +92,7 @@ def _fraud_fit():
     counts = np.bincount(targets[:, 0], minlength=2)
     weight_for_0, weight_for_1 = 1.0 / counts[0], 1.0 / counts[1]
     val = 2 * B
-    return dict(x=features[:-val], y=targets[:-val], batch_size=B, epochs=3, verbose=0,
+    return dict(x=features[:-val], y=targets[:-val], batch_size=B, epochs=2, verbose=0,
                 callbacks=[tf_keras.callbacks.ModelCheckpoint(
                     _tmp("fraud_model_at_epoch_{epoch}.keras"))],
                 validation_data=(features[-val:], targets[-val:]),
@@ -172,7 +186,7 @@ def _digits(n=4 * B, size=12):
 
 def _distillation_fit():
     x, y = _digits()
-    return dict(x=x, y=y, batch_size=B, epochs=3, verbose=0)
+    return dict(x=x, y=y, batch_size=B, epochs=2, verbose=0)
 
 
 # -- "Image classification with Vision Transformer" ---------------------------------------------
@@ -343,7 +357,7 @@ def mlp_mixer(num_classes=10, image_size=12, patch_size=4, embedding_dim=8, num_
 
 def _mixer_fit():
     x, y = _images(seed=3)
-    return dict(x=x, y=y, batch_size=B, epochs=3, validation_split=0.2, verbose=0,
+    return dict(x=x, y=y, batch_size=B, epochs=2, validation_split=0.2, verbose=0,
                 callbacks=[tf_keras.callbacks.EarlyStopping(monitor="val_loss", patience=10,
                                                             restore_best_weights=True),
                            tf_keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5,
@@ -571,7 +585,7 @@ def _ratings_fit():
     x = np.stack([rng.integers(0, 30, n), rng.integers(0, 50, n)], axis=1)
     y = rng.random(n).astype(np.float32)
     train = 4 * B
-    return dict(x=x[:train], y=y[:train], batch_size=B, epochs=3, verbose=0,
+    return dict(x=x[:train], y=y[:train], batch_size=B, epochs=2, verbose=0,
                 validation_data=(x[train:], y[train:]))
 
 
@@ -595,7 +609,7 @@ def _weather_fit():
             values[start:stop], targets[start + 8:stop + 8], sequence_length=8, sampling_rate=1,
             batch_size=B)
 
-    return dict(x=dataset(0, 4 * B), epochs=3, validation_data=dataset(4 * B, 5 * B),
+    return dict(x=dataset(0, 4 * B), epochs=2, validation_data=dataset(4 * B, 5 * B),
                 verbose=0, callbacks=[
                     tf_keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0,
                                                      patience=5),
@@ -956,7 +970,7 @@ PAGES["mixed_precision"] = Page(
 
 
 # -- "OCR model for reading Captchas" (CTC loss added by a layer) ------------------------------
-OCR = dict(img_width=32, img_height=8, max_length=3, characters=9)
+OCR = dict(img_width=24, img_height=8, max_length=2, characters=9)
 
 
 class CTCLayer(layers.Layer):
@@ -1018,8 +1032,8 @@ def _captchas_fit():
 PAGES["ocr_ctc"] = Page(
     page="OCR model for reading Captchas (CTC loss through add_loss)", factory=ocr_model,
     fit=_captchas_fit, draws=True,
-    changed="32x8 images, 3 characters of 9, 8 filters, one BiLSTM of 8 units; labels of a "
-    "static length (shape=(3,), not (None,)) and the LSTM with unroll=True (its dropout masks "
+    changed="24x8 images, 2 characters of 9, 8 filters, one BiLSTM of 8 units; labels of a "
+    "static length (shape=(2,), not (None,)) and the LSTM with unroll=True (its dropout masks "
     "are cached per graph, which dtk refuses with that fix): dtk unrolls the CTC recursion over "
     "static lengths; Keras's ctc_batch_cost runs as dtk's equivalent on the mesh "
     "(dtk.parallel.ops.ctc_batch_cost)")

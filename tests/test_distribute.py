@@ -447,3 +447,75 @@ def test_fsdp_under_keras_fit_is_keras(spec):
     assert "batch" in dtensor.fetch_layout(kernel).sharding_specs
     slots = [v for v in model.optimizer.variables if tuple(v.shape) == tuple(kernel.shape)]
     assert slots and all("batch" in dtensor.fetch_layout(v).sharding_specs for v in slots)
+
+
+def test_remat_under_keras_fit_is_keras():
+    """dtk.distribute(remat=[...]): the named layers recompute their activations in the backward
+    pass (tf.recompute_grad around their call); Keras's own fit gives plain tf_keras's numbers,
+    with Dropout inside the rematerialized layers drawing the same on every mesh."""
+    x, y = _binary_data(128)
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        return model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(_mlp())
+    model = dtk.distribute(_mlp, dtk.build_mesh("batch=4,model=2"), layout="mlp_model_parallel",
+                           seed=0, allow_replicated=True, remat=["d1"])
+    assert getattr(model.get_layer("d1"), "_dtk_remat", False)
+    np.testing.assert_allclose(run(model), want, rtol=1e-5)
+    dropped = {spec: run(dtk.distribute(functools.partial(_mlp, dropout=0.3),
+                                        dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                                        allow_replicated=True, remat=["d1", "drop"]))
+               for spec in ("batch=1", "batch=8")}
+    np.testing.assert_allclose(dropped["batch=8"], dropped["batch=1"], rtol=1e-5)
+    with pytest.raises(ValueError, match="remat must be a list of layer-name patterns"):
+        dtk.distribute(_mlp, dtk.build_mesh("batch=8"), remat="d1")
+
+
+def test_gradient_accumulation_under_keras_fit_is_the_whole_batch():
+    """dtk.distribute(gradient_accumulation_steps=2): Keras's train_step over two microbatches
+    gives the whole batch's numbers: plain tf_keras's loss and accuracy with sample weights and a
+    last partial batch (1e-5); with Dropout, batch=1 without accumulation's (the microbatches
+    draw the whole batch's masks). A batch whose per-device share does not split is refused."""
+    x, y = _binary_data(144)
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+
+    def run(model):
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                      metrics=["accuracy"])
+        return model.fit(x, y, sample_weight=weights, batch_size=32, epochs=2, verbose=0,
+                         shuffle=False).history
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(_mlp())
+    got = run(dtk.distribute(_mlp, dtk.build_mesh("batch=4,model=2"), layout="mlp_model_parallel",
+                             seed=0, allow_replicated=True, gradient_accumulation_steps=2))
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    dropout = functools.partial(_mlp, dropout=0.3)
+    one = run(dtk.distribute(dropout, dtk.build_mesh("batch=1"), seed=0))
+    accumulated = run(dtk.distribute(dropout, dtk.build_mesh("batch=8"), seed=0,
+                                     gradient_accumulation_steps=4))
+    np.testing.assert_allclose(accumulated["loss"], one["loss"], rtol=1e-5)
+    model = dtk.distribute(_mlp, dtk.build_mesh("batch=8"), gradient_accumulation_steps=4)
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    with pytest.raises(ValueError, match=r"fit\(batch_size=16\) with gradient_accumulation_steps=4: "
+                                         r"mesh axis 'batch' \(size 8\) gives each device 2 rows"):
+        model.fit(x[:64], y[:64], batch_size=16, verbose=0)
+
+
+def test_dropout_on_a_last_partial_batch_draws_the_same_on_every_mesh():
+    """The last partial batch (144 rows in batches of 32: 16 left) trains with dtk's
+    mesh-invariant draws too: its step was traced at a relaxed batch size, where dropout fell
+    back to Keras's own draws, which depend on the mesh."""
+    x, y = _binary_data(144)
+
+    def run(spec):
+        model = dtk.distribute(functools.partial(_mlp, dropout=0.3), dtk.build_mesh(spec),
+                               seed=0)
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy")
+        return model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    np.testing.assert_allclose(run("batch=8"), run("batch=1"), rtol=1e-5)

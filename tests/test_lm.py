@@ -158,7 +158,9 @@ def test_an_id_outside_a_row_sharded_table_fails_the_step(tmp_path):
             print("FAILED", type(e).__name__, " ".join(str(e).split())[:4000])
         """), args=(str(tmp_path / "rows.toml"),), timeout=200)
     assert "FAILED InvalidArgumentError" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "an id is outside [0, 64) of an Embedding table sharded on its rows" in res.stdout
+    assert "an id is outside the rows of Embedding" in res.stdout
+    assert "(its table has 64 rows, sharded on them over mesh axis model): ids must be in [0, 64)" \
+        in res.stdout
     assert "[70]" in res.stdout
 
 

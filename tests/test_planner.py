@@ -447,7 +447,7 @@ def test_dtk_own_recommender_is_planned_through_the_library(tmp_path):
     profile = planner.profile_model(factory)
     assert profile.input_shape == {"dense": (8,), "ids": (2,)}
     assert profile.input_dtype == {"dense": "float32", "ids": "int32"}
-    p = planner.plan(factory, devices=8, global_batch_size=32, table="recsys", machine=MACHINE,
+    p = planner.plan(factory, devices=8, global_batch_size=8, table="recsys", machine=MACHINE,
                      cache=str(tmp_path / "cache.json"))
     assert p.chosen.rejected is None and p.chosen.fits
-    assert len(p.step.measured_ms) >= 4 and all(ms > 0 for ms in p.step.measured_ms)
+    assert len(p.step.measured_ms) >= 3 and all(ms > 0 for ms in p.step.measured_ms)

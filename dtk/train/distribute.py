@@ -14,7 +14,11 @@ the next piece it lacked (callbacks, class and sample weights, masks, ``add_loss
   (a last partial batch) replicated, so that every batch trains with Keras's own numbers;
 * compile the step: ``make_train_function``/``make_test_function``/``make_predict_function``
   return a ``tf.function`` of the model's own step around that packing, with dtk's randomness
-  (the same draws on every mesh) keyed by the optimizer's step.
+  (the same draws on every mesh, ``tf.random.*`` in a ``train_step`` included) keyed by the
+  optimizer's step, FSDP weights read gathered, and the ops DTensor cannot lay out that user code
+  calls (``tf.image.extract_patches``, Keras's ``ctc_batch_cost``) run as dtk's equivalents;
+* let the laid-out model be called eagerly on host values (a callback's ``self.model(x)``);
+* checkpoint as dtk does, as a callback (``CheckpointCallback``).
 
 Everything else is Keras's by construction: callbacks and ``stop_training``, ``class_weight`` and
 ``sample_weight`` (normalized as Keras does), masks in the loss, ``add_loss``, EMA applied at the
@@ -31,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable, Sequence
@@ -44,6 +49,7 @@ from tensorflow.experimental import dtensor
 from dtk.data.input import pack
 from dtk.keras_check import require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
+from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 
@@ -54,6 +60,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                layout: layouts.LayoutTable | str = "data_parallel", seed: int = 0,
                input_shape: Sequence[int] | None = None, input_dtype: str = "float32",
                strict: bool = False, allow_replicated: bool = False, fsdp: bool = False,
+               remat: Sequence[str] = (), gradient_accumulation_steps: int = 1,
                batch_axis: str = BATCH_AXIS) -> tf_keras.Model:
     """``model_factory()`` laid out on ``mesh``, trained by tf_keras's own ``fit``.
 
@@ -70,6 +77,14 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
       fsdp: store each weight cut over the batch axis and gather it for its layer's call
         (``dtk.parallel.fsdp``; as ``TrainerConfig(fsdp=True)``): weights, gradients and
         optimizer state take 1/N of the memory per device.
+      remat: layer-name patterns (regular expressions) whose activations are recomputed in the
+        backward pass (``dtk.parallel.remat``; as ``TrainerConfig(remat=...)``): the same
+        numbers, less activation memory, about one more forward pass of compute.
+      gradient_accumulation_steps: each batch Keras hands out trains as this many microbatches,
+        one forward and backward pass live at a time, their gradients summed before one update
+        (Keras's own ``train_step``; a model with its own accumulates in it): the whole batch's
+        numbers, the activation memory of a microbatch. Each device's share of the batch must
+        split evenly.
       batch_axis: the mesh axis the batch is split over.
 
     Returns:
@@ -83,10 +98,27 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     """
     mesh = as_mesh(mesh, "mesh")
     check_batch_axis(mesh, batch_axis)
+    if isinstance(gradient_accumulation_steps, bool) or not isinstance(
+            gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be a positive integer; got "
+                         f"{gradient_accumulation_steps!r}")
+    if isinstance(remat, str):
+        raise ValueError(f"remat must be a list of layer-name patterns, e.g. [{remat!r}]; got the "
+                         f"string {remat!r} (a string would be read letter by letter)")
     model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
                                    allow_replicated=allow_replicated, input_shape=input_shape,
                                    input_dtype=input_dtype, fsdp=fsdp)
+    if remat:
+        _log.info("remat: %s recompute their activations in the backward pass",
+                  ", ".join(dtk_remat.apply(model, remat)))
     on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
+    if gradient_accumulation_steps > 1:
+        if type(model).train_step is not tf_keras.Model.train_step:
+            raise ValueError(
+                f"gradient_accumulation_steps={gradient_accumulation_steps}: model "
+                f"{type(model).__name__} has its own train_step, which dtk cannot split into "
+                "microbatches; accumulate in it, or drop gradient_accumulation_steps")
+        model._dtk_mesh_state.accumulation = gradient_accumulation_steps  # pylint: disable=protected-access
     _save_through_a_plain_twin(model, model_factory, input_shape)
     compiled = getattr(model, "_dtk_compiled", None) or {}
     for attr, (cls, config) in (compiled.get("attributes") or {}).items():
@@ -189,6 +221,7 @@ class _MeshState:
     def __init__(self, mesh: dtensor.Mesh, batch_axis: str):
         self.mesh, self.batch_axis = mesh, batch_axis
         self.size = mesh.dim_size(batch_axis)
+        self.accumulation = 1  # microbatches per batch (distribute's gradient_accumulation_steps)
 
     def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
                    class_weight: Any = None, validation_split: Any = None) -> None:
@@ -233,6 +266,13 @@ class _MeshState:
                 raise ValueError(
                     f"{method}(class_weight={class_weight!r}) has no weight for class(es) "
                     f"{missing[:8]} found in y; give every class a weight (1.0 for unchanged)")
+        if (method == "fit" and isinstance(batch_size, (int, np.integer)) and self.accumulation > 1
+                and batch_size % self.size == 0 and batch_size % (self.accumulation * self.size)):
+            raise ValueError(
+                f"fit(batch_size={batch_size}) with gradient_accumulation_steps="
+                f"{self.accumulation}: mesh axis {self.batch_axis!r} (size {self.size}) gives each "
+                f"device {batch_size // self.size} rows, which {self.accumulation} microbatches "
+                f"cannot split; use a multiple of {self.accumulation * self.size}")
         if isinstance(batch_size, (int, np.integer)) and batch_size % self.size:
             fits = [b for b in (batch_size - batch_size % self.size,
                                 batch_size + self.size - batch_size % self.size) if b > 0]
@@ -269,6 +309,8 @@ def _maker(step_name: str, attr: str) -> Callable:
             return getattr(self, attr)
         state = self._dtk_mesh_state  # pylint: disable=protected-access
         step = getattr(self, step_name)
+        if step_name == "train_step" and state.accumulation > 1:
+            step = functools.partial(_accumulated_train_step, self, state)
         training = step_name == "train_step"
 
         def body(data):
@@ -291,7 +333,11 @@ def _maker(step_name: str, attr: str) -> Callable:
             with ops.during_steps(), fsdp.gather_scope():
                 return body(data)
 
-        traced = tf.function(traced_body, reduce_retracing=True)
+        # Training traces once per batch size (fit has two at most: the last partial batch),
+        # never one of an unknown size: dtk's mesh-invariant draws (Dropout) and gradient
+        # accumulation need the batch's static size (a relaxed trace fell back to Keras's own
+        # draws, which depend on the mesh, for the last partial batch).
+        traced = tf.function(traced_body, reduce_retracing=not training)
         per_call = int(getattr(self, "_steps_per_execution", None) is not None
                        and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
 
@@ -331,6 +377,46 @@ def _maker(step_name: str, attr: str) -> Callable:
         return function
 
     return make
+
+
+def _accumulated_train_step(model: tf_keras.Model, state: _MeshState, data: Any) -> Any:
+    """Keras's ``train_step`` over ``state.accumulation`` microbatches: each device's rows viewed
+    as ``[rows / k, k]``, microbatch ``j`` their column ``j`` (no example moves between devices),
+    one forward and backward pass at a time, the gradients summed, one update with their mean.
+    Keras's loss is each microbatch's mean (over its examples, as Keras divides by the batch
+    size), so the mean over the equal microbatches is the whole batch's; the metrics (sums) and
+    the loss tracker (weighted by rows) add up to the whole batch's; dropout draws the masks of
+    the whole batch (``randomness.microbatch_scope``). A batch the microbatches cannot split (a
+    last partial batch) trains whole."""
+    from tf_keras.src.engine import data_adapter  # pylint: disable=g-import-not-at-top
+    k = state.accumulation
+    x, y, sample_weight = data_adapter.unpack_x_y_sample_weight(data)
+    rows = int(tf.nest.flatten(x)[0].shape[0])
+    if rows % (k * state.size):  # the last partial batch (fit refused a batch_size that is not)
+        return tf_keras.Model.train_step(model, data)
+
+    def part(t, j):
+        if t is None:
+            return None
+        return tf.gather(tf.reshape(t, [t.shape[0] // k, k, *t.shape[1:]]), j, axis=1)
+
+    variables = model.trainable_variables
+    total = [None] * len(variables)
+    draws = randomness.snapshot()
+    for j in range(k):
+        xj, yj, wj = (tf.nest.map_structure(lambda t, j=j: part(t, j), v) if v is not None
+                      else None for v in (x, y, sample_weight))
+        with randomness.replay(draws), randomness.microbatch_scope(k, j):
+            with tf.GradientTape() as tape:
+                y_pred = model(xj, training=True)
+                loss = model.compute_loss(xj, yj, y_pred, wj)
+        model._validate_target_and_loss(yj, loss)  # pylint: disable=protected-access
+        grads = tape.gradient(loss, variables)
+        total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads)]
+        model.compute_metrics(xj, yj, y_pred, wj)
+    model.optimizer.apply_gradients(
+        (g / k, v) for g, v in zip(total, variables) if g is not None)
+    return model.get_metrics_result()
 
 
 def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
