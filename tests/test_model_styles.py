@@ -1,6 +1,7 @@
 """The DTensor Keras tutorial's MLP written three ways (Sequential, Functional, subclassed) trains on
 ``batch=4,model=2`` with a dtk table and matches one device; Keras 3 objects get one clear error."""
 
+import keras as keras3  # always there: TensorFlow 2.21 requires it (tf.keras is Keras 3)
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -112,7 +113,6 @@ def test_trainer_builds_a_subclassed_model():
     assert sum(1 for w in trainer.layout_plan.weights if any(w.dims)) == 3
 
 
-keras3 = pytest.importorskip("keras", reason="Keras 3 (the keras package) is not installed")
 
 
 @pytest.mark.parametrize("what, make", [
