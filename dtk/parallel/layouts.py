@@ -582,14 +582,14 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
         raise TypeError(f"model_factory must return a tf_keras.Model; it returned "
                         f"{type(model).__name__}: {str(model)[:80]!r}. Return the model from the "
                         "factory (e.g. `def factory(): return tf_keras.Sequential([...])`)")
-    laid_out = next((v for v in model.weights if getattr(
-        getattr(v, "_variable", v), "layout", None) is not None), None)
-    if laid_out is not None:
-        mesh = getattr(v_layout := getattr(laid_out, "_variable", laid_out).layout, "mesh", None)
-        axes = ",".join(f"{a}={mesh.dim_size(a)}" for a in mesh.dim_names) if mesh else "?"
+    for weight in model.weights:
+        layout = getattr(getattr(weight, "_variable", weight), "layout", None)
+        if layout is None:
+            continue
+        axes = ",".join(f"{a}={layout.mesh.dim_size(a)}" for a in layout.mesh.dim_names)
         raise ValueError(
             f"model_factory returned a model already laid out on a mesh ({axes}; weight "
-            f"{laid_out.name} is a DTensor variable laid out as {v_layout.sharding_specs}): dtk "
+            f"{weight.name} is a DTensor variable laid out as {layout.sharding_specs}): dtk "
             "lays the model out itself, so the factory must build a new plain tf_keras model "
             "(not call dtk.distribute or dtk.build_model)")
     return model
