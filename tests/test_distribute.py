@@ -519,3 +519,50 @@ def test_dropout_on_a_last_partial_batch_draws_the_same_on_every_mesh():
         return model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False).history["loss"]
 
     np.testing.assert_allclose(run("batch=8"), run("batch=1"), rtol=1e-5)
+
+
+def _wide_mlp():
+    """A kernel of 512 x 256 (131,072 elements: over SHARDED_UPDATE_MIN_ELEMENTS a device on
+    both meshes), so the sharded update splits it; the small ones are updated in place."""
+    return tf_keras.Sequential([
+        tf_keras.layers.Dense(512, activation="relu", input_shape=(12,), name="d1"),
+        tf_keras.layers.Dense(256, activation="relu", name="d2"),
+        tf_keras.layers.Dense(1, activation="sigmoid", name="out")])
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+def test_the_sharded_update_is_the_update_in_place(spec, tmp_path):
+    """distribute(shard_optimizer_state="auto") (the default) updates the large kernel through a
+    copy sharded over batch, with Adam's moments and EMA stored there (1/N a device): the same
+    numbers as the update in place, with Keras's BackupAndRestore killing and resuming the
+    sharded run (the copy starts each step from the restored weight) and the EMA put into the
+    model at the end of fit."""
+    x, y = _binary_data(128)
+
+    def compiled(shard):
+        model = dtk.distribute(_wide_mlp, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                               allow_replicated=True, shard_optimizer_state=shard)
+        model.compile(optimizer=tf_keras.optimizers.Adam(1e-3, use_ema=True),
+                      loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+
+    def fit(model, callbacks=()):
+        return model.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False,
+                         callbacks=list(callbacks)).history
+
+    in_place = compiled(False)
+    want = fit(in_place)
+    assert in_place._dtk_mesh_state.sharded is None  # pylint: disable=protected-access
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(compiled("auto"), [tf_keras.callbacks.BackupAndRestore(str(tmp_path)), _Killed()])
+    sharded = compiled("auto")
+    got = fit(sharded, [tf_keras.callbacks.BackupAndRestore(str(tmp_path))])
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key][2:], rtol=RTOL, atol=1e-6, err_msg=key)
+    for a, b in zip(dtk.gather_weights(in_place), dtk.gather_weights(sharded)):
+        np.testing.assert_allclose(b, a, rtol=RTOL, atol=1e-6)  # the EMA, put in by fit's end
+    kernel = sharded.get_layer("d2").kernel
+    moment = [v for v in sharded.optimizer.variables if v.name.startswith("m/")
+              and v.shape == kernel.shape]
+    assert moment and "batch" in dtensor.fetch_layout(moment[0]).sharding_specs
+    assert "batch" not in dtensor.fetch_layout(kernel).sharding_specs

@@ -52,6 +52,7 @@ from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
+from dtk.train.steps import auto_shard_optimizer_state, update_layout
 
 _log = logging.getLogger("dtk")
 
@@ -61,6 +62,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                input_shape: Sequence[int] | None = None, input_dtype: str = "float32",
                strict: bool = False, allow_replicated: bool = False, fsdp: bool = False,
                remat: Sequence[str] = (), gradient_accumulation_steps: int = 1,
+               shard_optimizer_state: bool | str = "auto",
                batch_axis: str = BATCH_AXIS) -> tf_keras.Model:
     """``model_factory()`` laid out on ``mesh``, trained by tf_keras's own ``fit``.
 
@@ -85,6 +87,12 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         (Keras's own ``train_step``; a model with its own accumulates in it): the whole batch's
         numbers, the activation memory of a microbatch. Each device's share of the batch must
         split evenly.
+      shard_optimizer_state: the ZeRO-style update, as ``TrainerConfig(shard_optimizer_state=)``:
+        every optimizer's state and update of each large weight are sharded over the batch
+        axis, then the weight is all-gathered (the same numbers; that state's memory per device
+        divided by the axis size). ``"auto"`` (the default) turns it on when it shards
+        something (``dtk.train.steps.auto_shard_optimizer_state``), off under ``fsdp`` (the
+        weights are stored sharded already).
       batch_axis: the mesh axis the batch is split over.
 
     Returns:
@@ -102,6 +110,9 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
             gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be a positive integer; got "
                          f"{gradient_accumulation_steps!r}")
+    if shard_optimizer_state not in (True, False, "auto"):
+        raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
+                         f"{shard_optimizer_state!r}")
     if isinstance(remat, str):
         raise ValueError(f"remat must be a list of layer-name patterns, e.g. [{remat!r}]; got the "
                          f"string {remat!r} (a string would be read letter by letter)")
@@ -112,6 +123,11 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         _log.info("remat: %s recompute their activations in the backward pass",
                   ", ".join(dtk_remat.apply(model, remat)))
     on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
+    if shard_optimizer_state == "auto":
+        shard_optimizer_state = not fsdp and auto_shard_optimizer_state(
+            model.trainable_variables, mesh, batch_axis)
+    if shard_optimizer_state and not fsdp:
+        model._dtk_mesh_state.sharded = _ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
     if gradient_accumulation_steps > 1:
         if type(model).train_step is not tf_keras.Model.train_step:
             raise ValueError(
@@ -192,7 +208,17 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 args[index] = _bind_metric_objects(args[index], mesh)
         with dtensor.default_mesh(mesh):  # metrics and optimizer state made here live on it
             base(self, *args, **kwargs)
-            _bind_optimizers(self, mesh)
+            _bind_optimizers(self, mesh, state.sharded)
+        if getattr(self, "_steps_per_execution", None) is not None:
+            # Keras's loop reads it before every step: a variable on the mesh (the model's
+            # layout map makes it one) waits there for the step before; on the host it does not,
+            # and the next batch is packed while the step runs.
+            # (Not tracked: it is no weight of the model, as Keras's own is not.)
+            object.__setattr__(self, "_steps_per_execution", tf.Variable(
+                int(self._steps_per_execution.numpy()), dtype=tf.int64, trainable=False))
+            tuner = getattr(self, "_steps_per_execution_tuner", None)  # steps_per_execution="auto"
+            if tuner is not None:
+                tuner._steps_per_execution = self._steps_per_execution  # pylint: disable=protected-access
         self.train_function = self.test_function = self.predict_function = None
 
     model.compile = types.MethodType(compile, model)
@@ -222,6 +248,7 @@ class _MeshState:
         self.mesh, self.batch_axis = mesh, batch_axis
         self.size = mesh.dim_size(batch_axis)
         self.accumulation = 1  # microbatches per batch (distribute's gradient_accumulation_steps)
+        self.sharded: _ShardedUpdate | None = None  # distribute's shard_optimizer_state
 
     def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
                    class_weight: Any = None, validation_split: Any = None) -> None:
@@ -327,7 +354,7 @@ def _maker(step_name: str, attr: str) -> Callable:
 
         def traced_body(data):
             # tf.image.extract_patches in user code runs as dtk's equivalent; FSDP weights are
-            # read gathered (the optimizer's update reads their stored shards: _dense_updates).
+            # read gathered (the optimizer's update reads their stored shards: _mesh_updates).
             # The gathered weights live from the forward pass to the backward one here (the
             # Trainer gathers them again for the backward pass instead).
             with ops.during_steps(), fsdp.gather_scope():
@@ -338,8 +365,6 @@ def _maker(step_name: str, attr: str) -> Callable:
         # accumulation need the batch's static size (a relaxed trace fell back to Keras's own
         # draws, which depend on the mesh, for the last partial batch).
         traced = tf.function(traced_body, reduce_retracing=not training)
-        per_call = int(getattr(self, "_steps_per_execution", None) is not None
-                       and self._steps_per_execution.numpy().item() or 1)  # pylint: disable=protected-access
 
         fresh = [True]
         traced_with = getattr(self, "optimizer", None)
@@ -354,7 +379,9 @@ def _maker(step_name: str, attr: str) -> Callable:
                     "optimizer's learning rate instead (LearningRateScheduler, "
                     "ReduceLROnPlateau), or compile() again between fits")
             outputs = None
-            for i in range(per_call if step_name != "predict_step" else 1):
+            spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
+            per_call = 1 if spe is None or step_name == "predict_step" else int(spe.numpy())
+            for i in range(per_call):
                 try:
                     data = next(iterator)
                 except (StopIteration, tf.errors.OutOfRangeError):
@@ -488,7 +515,8 @@ def _bind_metric(metric: tf_keras.metrics.Metric, mesh: dtensor.Mesh
     return rebuilt
 
 
-def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
+def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh,
+                     sharded: _ShardedUpdate | None = None) -> None:
     """Every optimizer the model holds after ``compile()`` (``model.optimizer``; a GAN's
     ``d_optimizer`` and ``g_optimizer``), made again bound to ``mesh`` when it is not.
 
@@ -530,27 +558,116 @@ def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
         setattr(model, name, bound)
     for value in list(vars(model).values()):
         if isinstance(value, tf_keras.optimizers.Optimizer):
-            _dense_updates(value)
             keep_ema_on_mesh(value)
+            _mesh_updates(value, sharded)
 
 
-def _dense_updates(optimizer: tf_keras.optimizers.Optimizer) -> None:
-    """Makes ``optimizer`` apply an Embedding's sparse gradient (``IndexedSlices``) as a dense
-    one: its sparse update is ``ResourceScatterAdd``, which DTensor cannot lay out. The same
-    values (the untouched rows get zero gradient; Adam's moments decay on every row either way,
-    as Keras's dense path does)."""
+def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
+                  sharded: _ShardedUpdate | None) -> None:
+    """Makes ``optimizer`` update the laid-out model's weights as dtk's Trainer does.
+
+    * An Embedding's sparse gradient (``IndexedSlices``) is applied dense: its sparse update is
+      ``ResourceScatterAdd``, which DTensor cannot lay out. The same values (the untouched rows
+      get zero gradient; Adam's moments decay on every row either way, as Keras's dense path
+      does).
+    * With ``sharded`` (ZeRO-style, ``distribute(shard_optimizer_state=...)``): the weights that
+      ``dtk.train.steps.update_layout`` splits are updated through a copy sharded over the batch
+      axis (see ``_ShardedUpdate``).
+    * An FSDP weight is updated where it is stored (its shards).
+    """
     if getattr(optimizer, "_dtk_dense", False):
         return
     apply = optimizer.apply_gradients
+    build = optimizer.build
+    finalize = optimizer.finalize_variable_values
 
     def apply_gradients(grads_and_vars, *args, **kwargs):
-        pairs = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v)
-                 for g, v in grads_and_vars]
-        with fsdp.gather_scope(False):  # an FSDP weight is updated where it is stored
-            return apply(pairs, *args, **kwargs)
+        pairs, copies = [], []
+        for g, v in grads_and_vars:
+            g = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            entry = sharded.entry(v) if sharded is not None and g is not None else None
+            if entry is None:
+                pairs.append((g, v))
+                continue
+            master, layout, target = entry
+            # The copy starts each step from the weight itself (a slice of it, no collective):
+            # weights set between steps (load_weights, BackupAndRestore) are never stale.
+            master.assign(dtensor.relayout(_storage(v).read_value(), target))
+            # Pinned to the weight's layout first (layout propagation would otherwise push the
+            # sharded layout into the gradient's producer), then sliced.
+            pairs.append((dtensor.relayout(dtensor.relayout(g, layout), target), master))
+            copies.append((v, master, layout))
+        with fsdp.gather_scope(False):
+            result = apply(pairs, *args, **kwargs)
+        for v, master, layout in copies:  # all-gather over the batch axis
+            _storage(v).assign(dtensor.relayout(master.read_value(), layout))
+        return result
+
+    def mapped(var_list):
+        return [sharded.master_of(v) for v in var_list] if sharded is not None else var_list
+
+    def build_(var_list, *args, **kwargs):
+        return build(mapped(var_list), *args, **kwargs)
+
+    def finalize_variable_values(var_list):
+        var_list = list(var_list)
+        finalize(mapped(var_list))  # EMA: the averages go into the copies, then the weights
+        for v in var_list:
+            entry = sharded.entry(v) if sharded is not None else None
+            if entry is not None:
+                _storage(v).assign(dtensor.relayout(entry[0].read_value(), entry[1]))
 
     optimizer.apply_gradients = apply_gradients
+    optimizer.build = build_
+    optimizer.finalize_variable_values = finalize_variable_values
     optimizer._dtk_dense = True  # pylint: disable=protected-access
+
+
+def _storage(variable: tf.Variable) -> tf.Variable:
+    """The DVariable under a mixed precision AutoCastVariable (the variable itself otherwise)."""
+    return getattr(variable, "_variable", variable)
+
+
+class _ShardedUpdate:
+    """The ZeRO-style update of ``dtk.Trainer`` (``StepConfig.shard_optimizer_state``) for
+    Keras's own ``train_step``: each weight that ``update_layout`` splits (one of at least
+    ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device with a dim the batch axis divides)
+    gets a float32 copy laid out sharded over the batch axis. The optimizer builds its state
+    (Adam's moments, the EMA) on the copy, so that state takes 1/N of the memory per device, and
+    each device computes the update of its slice only; the weight is then all-gathered from the
+    copy. The same numbers as the update in place (elementwise). Smaller weights are updated in
+    place (their all-gathers would cost more than they save)."""
+
+    def __init__(self, mesh: dtensor.Mesh, batch_axis: str):
+        self.mesh, self.batch_axis = mesh, batch_axis
+        self._entries: dict[int, tuple] = {}  # id(weight) -> (weight, entry or None)
+        self._masters: set[int] = set()
+
+    def entry(self, variable: tf.Variable) -> tuple | None:
+        """``(copy, the weight's layout, the copy's layout)``, or None: updated in place."""
+        if id(variable) in self._masters:
+            return None
+        known = self._entries.get(id(variable))
+        if known is not None and known[0] is variable:
+            return known[1]
+        storage = _storage(variable)
+        entry = None
+        if not isinstance(storage, fsdp.GatheredVariable):  # FSDP: stored sharded, updated there
+            with tf.init_scope():  # made once, eagerly, even when first met in a trace
+                layout = dtensor.fetch_layout(storage)
+                target = update_layout(storage, self.mesh, self.batch_axis)
+                if target.sharding_specs != layout.sharding_specs:
+                    master = dtensor.DVariable(
+                        dtensor.relayout(storage.read_value(), target), trainable=False,
+                        name=getattr(storage, "_shared_name", None))
+                    self._masters.add(id(master))
+                    entry = (master, layout, target)
+        self._entries[id(variable)] = (variable, entry)
+        return entry
+
+    def master_of(self, variable: tf.Variable) -> tf.Variable:
+        entry = self.entry(variable)
+        return variable if entry is None else entry[0]
 
 
 class CheckpointCallback(tf_keras.callbacks.Callback):
