@@ -36,6 +36,9 @@ class Page:
     input_shape: tuple[int, ...] | None = None
     draws: bool = False  # the model draws random numbers in training (Dropout, sampling)
     rtol: float = 1e-5  # the agreement asked of every logged number
+    # Why a run killed after epoch 1 and run again cannot give the uninterrupted run's numbers
+    # (as with Keras's own BackupAndRestore); "" when it does, bit for bit.
+    resume_differs: str = ""
     atol: float = 1e-6
 
 
@@ -806,6 +809,10 @@ PAGES: dict[str, Page] = {
     "custom_callbacks": Page(
         page="Writing your own callbacks (EarlyStoppingAtMinLoss, CustomLearningRateScheduler)",
         factory=callbacks_guide_model, fit=_callbacks_fit,
+        resume_differs="steps_per_epoch=2 over a finite array: Keras's fit continues one "
+        "iterator across epochs, and a resumed fit starts it again at the first batch; the "
+        "page's EarlyStoppingAtMinLoss keeps its best loss in the callback, which starts "
+        "afresh",
         changed="16 features for 784"),
     "training_guide": Page(
         page="Training & evaluation with the built-in methods (custom metric, add_loss, "

@@ -744,6 +744,10 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
             else:  # a subclassed model the factory built itself (build(), or a call on Input)
                 _map_lazy_variables(model, layout_map)
+                # A model whose parts are built (keras.io's Distiller) but never called itself:
+                # built, as its first call would make it. Unbuilt, tf_keras's first call of a
+                # model with a layout map takes the batch's shape for one example's and fails.
+                model.built = True
             _lay_out_autocast_variables(model, layout_map)
     finally:
         if not user_rng:

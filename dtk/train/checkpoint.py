@@ -517,12 +517,17 @@ class Checkpointer:
         A restore that fails half-way inside DTensor leaves the runtime in an error state, so the
         common mismatch (another architecture) is caught here first.
         """
+        model = self._checkpoint.model
+        # Optimizers the model holds as attributes (keras.io's GAN: d_optimizer, g_optimizer) are
+        # saved under the model too; their state is restored with it, and is not a weight.
+        held = {attr for attr, value in vars(model).items()
+                if isinstance(value, (tf_keras.optimizers.Optimizer,
+                                      tf_keras.optimizers.legacy.Optimizer))}
         try:
             saved = sorted(tuple(shape) for name, shape in tf.train.list_variables(path)
-                           if name.startswith("model/"))
+                           if name.startswith("model/") and name.split("/")[1] not in held)
         except (tf.errors.OpError, ValueError) as e:
             raise ValueError(f"checkpoint {path} cannot be read: {first_line(e)}") from e
-        model = self._checkpoint.model
         have = sorted(tuple(w.shape) for w in model.weights)
         if saved != have:
             raise ValueError(
