@@ -2,9 +2,10 @@
 
     python scripts/bench_fit.py                       # batch=8, global batch 128, 2 repeats
     python scripts/bench_fit.py --mesh batch=4,model=2 --layout mlp_model_parallel
+    python scripts/bench_fit.py --steps_per_execution 10
 
 Both train the MNIST MLP (``dtk.models.mnist_mlp``) with Adam on the same synthetic MNIST-shaped
-data, one step per call (``steps_per_execution=1`` for both), for ``--steps`` steps a run, in one
+data, the same steps per call for both (``--steps_per_execution``, 1 by default), for ``--steps`` steps a run, in one
 process, alternating (Trainer, fit, Trainer, fit, ...) so that a busy machine slows both alike.
 A run's ms/step is its wall time after its first epoch (tracing) over the steps of the later
 epochs; the first step's seconds are reported too. Prints one JSON line per run and the ratio of
@@ -27,9 +28,12 @@ def main() -> int:
     parser.add_argument("--global_batch_size", type=int, default=128, help="examples per step")
     parser.add_argument("--steps", type=int, default=100, help="timed steps a run (one epoch)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    parser.add_argument("--steps_per_execution", type=int, default=1,
+                        help="steps per compiled call, for both")
     args = parser.parse_args()
-    if args.global_batch_size < 1 or args.steps < 1 or args.repeats < 1:
-        parser.error("--global_batch_size, --steps and --repeats must be positive")
+    if min(args.global_batch_size, args.steps, args.repeats, args.steps_per_execution) < 1:
+        parser.error("--global_batch_size, --steps, --repeats and --steps_per_execution must be "
+                     "positive")
 
     import dtk  # pylint: disable=g-import-not-at-top
     dtk.configure_virtual_cpus(8)
@@ -45,9 +49,11 @@ def main() -> int:
     def trainer_run():
         trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout=args.layout,
                               optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
-                              config=dtk.TrainerConfig(seed=0, verbose=0, steps_per_execution=1))
+                              config=dtk.TrainerConfig(seed=0, verbose=0,
+                                                       steps_per_execution=args.steps_per_execution))
         data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), mesh,
-                                      dtk.InputConfig(global_batch_size=args.global_batch_size))
+                                      dtk.InputConfig(global_batch_size=args.global_batch_size,
+                                                      steps_per_call=args.steps_per_execution))
         marks = []
         start = time.perf_counter()
         trainer.fit(data, epochs=2, on_epoch_end=[lambda *_: marks.append(time.perf_counter())])
@@ -58,7 +64,7 @@ def main() -> int:
         import tf_keras  # pylint: disable=g-import-not-at-top
         model.compile(optimizer=tf_keras.optimizers.Adam(1e-3),
                       loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], steps_per_execution=1)
+                      metrics=["accuracy"], steps_per_execution=args.steps_per_execution)
         marks = []
         first = []
 
@@ -85,6 +91,7 @@ def main() -> int:
             first_s, step_s, _ = run()
             results[name].append(step_s * 1e3)
             print(json.dumps({"run": name, "repeat": repeat, "mesh": args.mesh,
+                              "steps_per_execution": args.steps_per_execution,
                               "ms_per_step": round(step_s * 1e3, 2),
                               "first_step_s": round(first_s, 2)}), flush=True)
     ratio = statistics.median(results["fit"]) / statistics.median(results["trainer"])

@@ -185,8 +185,8 @@ class _TwoOptimizers(tf_keras.Model):
     def call(self, x):
         return self.b(self.a(x))
 
-    def compile(self, a_optimizer, b_optimizer, loss_fn):  # pylint: disable=arguments-differ
-        super().compile()
+    def compile(self, a_optimizer, b_optimizer, loss_fn, **kwargs):  # pylint: disable=arguments-differ
+        super().compile(**kwargs)
         self.a_optimizer, self.b_optimizer, self.loss_fn = a_optimizer, b_optimizer, loss_fn
 
     def train_step(self, data):
@@ -566,3 +566,47 @@ def test_the_sharded_update_is_the_update_in_place(spec, tmp_path):
               and v.shape == kernel.shape]
     assert moment and "batch" in dtensor.fetch_layout(moment[0]).sharding_specs
     assert "batch" not in dtensor.fetch_layout(kernel).sharding_specs
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+def test_several_steps_per_call_are_the_steps_one_at_a_time(spec):
+    """compile(steps_per_execution=3): 3 batches stacked and one compiled call looping over
+    them (the last partial batch, 300 = 9 x 32 + 12, on its own): the same numbers as one step
+    per call, bit for bit, with Dropout (dtk's draws keyed by each step), the sharded update, a
+    validation split (evaluation also runs 3 a call) and a model's own train_step with two
+    optimizers; and plain tf_keras's numbers where no random numbers are drawn."""
+    x, y = _binary_data(300 + 100)
+
+    def run(model, spe, factory):
+        if factory is _TwoOptimizers:
+            model.compile(tf_keras.optimizers.Adam(1e-2), tf_keras.optimizers.SGD(0.05),
+                          tf_keras.losses.MeanSquaredError(), steps_per_execution=spe)
+            labels = y[:, None]
+        else:
+            model.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss="binary_crossentropy",
+                          metrics=["accuracy"], steps_per_execution=spe)
+            labels = y
+        history = model.fit(x, labels, batch_size=32, epochs=2, validation_split=0.25,
+                            shuffle=False, verbose=0).history
+        return history, (dtk.gather_weights(model) if hasattr(model, "_dtk_mesh_state")
+                         else model.get_weights())
+
+    for factory, kwargs in ((functools.partial(_mlp, dropout=0.3), {}), (_wide_mlp, {}),
+                            (_TwoOptimizers, {"input_shape": (12,)})):
+        results = []
+        for spe in (1, 3):
+            layout = "data_parallel" if factory is _TwoOptimizers else _layout(spec)
+            model = dtk.distribute(factory, dtk.build_mesh(spec), layout=layout, seed=0,
+                                   allow_replicated=True, **kwargs)
+            results.append(run(model, spe, factory))
+        (want, want_weights), (got, got_weights) = results
+        assert set(got) == set(want)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        for a, b in zip(want_weights, got_weights):
+            np.testing.assert_array_equal(b, a)
+        if factory is _wide_mlp:
+            wide = got
+    tf_keras.utils.set_random_seed(0)
+    plain = run(_wide_mlp(), 3, _wide_mlp)[0]
+    _close_histories(plain, wide)

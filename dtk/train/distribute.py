@@ -328,6 +328,37 @@ class _MeshState:
         return tf.nest.map_structure(lambda t: None if t is None else next(packed), data)
 
 
+    def stackable(self, datas: list) -> int:
+        """How many of ``datas``, from the first, can run as one compiled call of several steps:
+        batches of the first one's structure and shapes that the batch axis divides (a last
+        partial batch runs on its own)."""
+        def shapes(data):
+            leaves = tf.nest.flatten(data)
+            return tuple(None if t is None else tuple(t.shape) for t in leaves)
+
+        first = shapes(datas[0])
+        rows = {s[0] for s in first if s is not None and len(s)}
+        if len(rows) != 1 or any(s is not None and not s for s in first) or \
+                next(iter(rows)) % self.size:
+            return 1
+        count = 1
+        while count < len(datas) and shapes(datas[count]) == first:
+            count += 1
+        return count
+
+    def pack_stack(self, datas: list) -> Any:
+        """``datas`` (batches of one structure and shape) stacked ``[n, B, ...]`` on the mesh,
+        sharded over the batch axis on dim 1 (``dtk.data.input.pack(stacked=True)``)."""
+        leaves = [tf.nest.flatten(d) for d in datas]
+        stacked = [None if column[0] is None else np.stack(
+            [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in column])
+            for column in zip(*leaves)]
+        present = [a for a in stacked if a is not None]
+        packed = iter(pack(self.mesh, present, batch_axis=self.batch_axis, stacked=True))
+        return tf.nest.pack_sequence_as(
+            datas[0], [None if a is None else next(packed) for a in stacked])
+
+
 def _maker(step_name: str, attr: str) -> Callable:
     """``Model.make_*_function`` for a laid-out model: Keras's step, traced, on packed batches."""
 
@@ -366,6 +397,41 @@ def _maker(step_name: str, attr: str) -> Callable:
         # draws, which depend on the mesh, for the last partial batch).
         traced = tf.function(traced_body, reduce_retracing=not training)
 
+        # Several steps per call (compile(steps_per_execution=n)): n batches stacked [n, B, ...]
+        # and one compiled call that loops over them (tf.gather of step i: indexing fails under
+        # DTensor), as dtk's Trainer runs them: the same updates as n calls, with one dispatch.
+        # The loop carries the step's logs; it starts from zeros laid out as a one-step call's.
+        logs_layouts = []
+
+        def many_body(stack):
+            n = int(tf.nest.flatten([t for t in tf.nest.flatten(stack) if t is not None])[0]
+                    .shape[0])
+            structure, layouts_ = logs_layouts[0]
+            zeros = tf.nest.pack_sequence_as(structure, [
+                dtensor.call_with_layout(tf.zeros, layout, shape=shape, dtype=dtype)
+                for layout, shape, dtype in layouts_])
+
+            def loop(i, _):
+                data = tf.nest.map_structure(
+                    lambda t: None if t is None else tf.gather(t, i), stack)
+                return i + 1, traced_body(data)
+
+            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
+
+        traced_many = tf.function(many_body, reduce_retracing=False)
+
+        def remember_layouts(outputs):
+            """The one-step call's logs, as the loop's starting values: all DTensors, else
+            several steps per call run as one call each."""
+            if logs_layouts:
+                return
+            leaves = tf.nest.flatten(outputs)
+            if leaves and all(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in leaves):
+                logs_layouts.append((outputs, [(dtensor.fetch_layout(t), t.shape, t.dtype)
+                                               for t in leaves]))
+            else:
+                logs_layouts.append(None)
+
         fresh = [True]
         traced_with = getattr(self, "optimizer", None)
 
@@ -381,13 +447,20 @@ def _maker(step_name: str, attr: str) -> Callable:
             outputs = None
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
             per_call = 1 if spe is None or step_name == "predict_step" else int(spe.numpy())
+            datas = []
             for i in range(per_call):
                 try:
-                    data = next(iterator)
+                    datas.append(next(iterator))
                 except (StopIteration, tf.errors.OutOfRangeError):
                     if i == 0:
                         raise
                     break
+            if len(datas) > 1 and not fresh and logs_layouts[0] is not None:
+                stacked = state.stackable(datas)
+                if stacked > 1:
+                    outputs = traced_many(state.pack_stack(datas[:stacked]))
+                    datas = datas[stacked:]
+            for data in datas:
                 batch = state.pack(data)
                 if traced.experimental_get_tracing_count() and not fresh:
                     outputs = traced(batch)
@@ -398,6 +471,7 @@ def _maker(step_name: str, attr: str) -> Callable:
                 with dtensor.default_mesh(state.mesh):
                     outputs = traced(batch)
                 fresh.clear()
+                remember_layouts(outputs)
             return outputs
 
         setattr(self, attr, function)
