@@ -610,3 +610,148 @@ def test_several_steps_per_call_are_the_steps_one_at_a_time(spec):
     tf_keras.utils.set_random_seed(0)
     plain = run(_wide_mlp(), 3, _wide_mlp)[0]
     _close_histories(plain, wide)
+
+
+def _masked_sequences(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(n, 10)).astype("int32")
+    x[:, 6:] = 0  # padding
+    x[::3, 4:] = 0  # rows of other lengths: the unmasked count differs between rows
+    y = rng.integers(0, 5, size=(n, 10)).astype("int32")
+    return x, y
+
+
+def _masked_tagger():
+    inputs = tf_keras.Input((10,), dtype="int32")
+    h = tf_keras.layers.Embedding(20, 8, mask_zero=True, name="embed")(inputs)
+    outputs = tf_keras.layers.Dense(5, name="d1")(h)
+    return tf_keras.Model(inputs, outputs)
+
+
+def _trainer(factory, spec="batch=8", **kwargs):
+    mesh = dtk.build_mesh(spec)
+    return dtk.Trainer(mesh=mesh, model=factory, layout="data_parallel", allow_replicated=True,
+                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-2),
+                       config=dtk.TrainerConfig(seed=0, verbose=0, steps_per_execution=1),
+                       **kwargs)
+
+
+def _data(trainer, x, y, batch, remainder="drop"):
+    return dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)), trainer.mesh,
+                                  dtk.InputConfig(global_batch_size=batch, remainder=remainder))
+
+
+def test_the_trainer_masks_the_loss_and_metrics_as_keras_does():
+    """dtk.Trainer on a model whose output carries a Keras mask (Embedding(mask_zero=True)):
+    the loss is the mean over the unmasked tokens and the metrics skip the masked ones, as
+    Keras's fit and evaluate compute them (a padded last evaluation batch too): the same
+    losses, accuracy and weights as plain tf_keras."""
+    x, y = _masked_sequences()
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trainer = _trainer(_masked_tagger, loss=loss, metrics=["accuracy"])
+    history = trainer.fit(_data(trainer, x, y, 16), epochs=2).history
+    got_eval = trainer.evaluate(_data(trainer, x[:40], y[:40], 16, remainder="pad"))
+    tf_keras.utils.set_random_seed(0)
+    plain = _masked_tagger()
+    plain.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    want = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    want_eval = plain.evaluate(x[:40], y[:40], batch_size=16, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], want[key], rtol=RTOL, err_msg=key)
+        np.testing.assert_allclose(got_eval[key], want_eval[key], rtol=RTOL, err_msg=key)
+    _close_weights(plain, trainer.model)
+
+
+def test_the_trainer_stops_when_a_callback_sets_stop_training():
+    """As Keras's fit: a callback that sets model.stop_training ends training after that
+    epoch (and the EMA of Adam(use_ema=True) goes into the model then, as Keras's fit ends)."""
+    x, y = _binary_data(160)
+    mesh = dtk.build_mesh("batch=8")
+    trainer = dtk.Trainer(mesh=mesh, model=_mlp, layout="data_parallel",
+                          optimizer=tf_keras.optimizers.Adam(1e-2, use_ema=True, mesh=mesh),
+                          loss=tf_keras.losses.BinaryCrossentropy(),
+                          config=dtk.TrainerConfig(seed=0, verbose=0, steps_per_execution=1))
+
+    def stop_after_two(epoch, logs):
+        if epoch == 1:
+            trainer.model.stop_training = True
+
+    history = trainer.fit(_data(trainer, x, y[:, None], 32), epochs=6,
+                          on_epoch_end=[stop_after_two])
+    assert len(history.history["loss"]) == 2
+    tf_keras.utils.set_random_seed(0)
+    plain = _mlp()
+    plain.compile(optimizer=tf_keras.optimizers.Adam(1e-2, use_ema=True),
+                  loss=tf_keras.losses.BinaryCrossentropy())
+    plain.fit(x, y[:, None], batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _close_weights(plain, trainer.model)
+
+
+class _LogsGradNorm(tf_keras.Sequential):
+    """keras.io "Customizing what happens in fit()" shape: a train_step that returns a log no
+    metric holds (the gradient norm)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        logs = self.compute_metrics(x, y, self(x, training=False), None)
+        return dict(logs, grad_norm=tf.linalg.global_norm(grads))
+
+
+def _logs_model():
+    return _LogsGradNorm([tf_keras.layers.Dense(16, activation="relu", input_shape=(12,)),
+                          tf_keras.layers.Dense(1, activation="sigmoid")])
+
+
+def test_the_trainer_keeps_a_train_step_s_own_logs():
+    """dtk.Trainer reports a model's own train_step's logs as Keras's fit does (the last step's),
+    a log that no metric holds included."""
+    x, y = _binary_data(128)
+    loss = tf_keras.losses.BinaryCrossentropy()
+    trainer = _trainer(_logs_model, loss=loss)
+    history = trainer.fit(_data(trainer, x, y[:, None], 32), epochs=2).history
+    tf_keras.utils.set_random_seed(0)
+    plain = _logs_model()
+    plain.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss=loss)
+    want = plain.fit(x, y[:, None], batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    assert "grad_norm" in history, sorted(history)
+    for key in want:
+        np.testing.assert_allclose(history[key], want[key], rtol=RTOL, err_msg=key)
+
+
+def test_the_trainer_normalizes_sample_weights_as_keras_does():
+    """Data that carries sample weights: dtk.Trainer divides the weighted loss by the count of
+    examples, as Keras does (not by the weights' sum, which it did), a real example of weight 0
+    included; evaluation on a padded last batch too (40 = 16 + 16 + 8), and predict keeps that
+    example. The same losses and weights as plain tf_keras's fit(sample_weight=...)."""
+    x, y = _binary_data(128)
+    y = y[:, None]
+    w = np.random.default_rng(1).uniform(0.1, 2.0, size=len(x)).astype("float32")
+    w[3] = 0.0
+    loss = tf_keras.losses.BinaryCrossentropy()
+    trainer = _trainer(_mlp, loss=loss, metrics=["accuracy"])
+
+    def data(n, batch, remainder="drop"):
+        return dtk.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((x[:n], y[:n], w[:n])), trainer.mesh,
+            dtk.InputConfig(global_batch_size=batch, remainder=remainder))
+
+    history = trainer.fit(data(128, 32), epochs=2).history
+    got_eval = trainer.evaluate(data(40, 16, "pad"))
+    predicted = trainer.predict(data(40, 16, "pad"))
+    tf_keras.utils.set_random_seed(0)
+    plain = _mlp()
+    plain.compile(optimizer=tf_keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    want = plain.fit(x, y, sample_weight=w, batch_size=32, epochs=2, shuffle=False,
+                     verbose=0).history
+    want_eval = plain.evaluate(x[:40], y[:40], sample_weight=w[:40], batch_size=16, verbose=0,
+                               return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], want[key], rtol=RTOL, err_msg=key)
+        np.testing.assert_allclose(got_eval[key], want_eval[key], rtol=RTOL, err_msg=key)
+    _close_weights(plain, trainer.model)
+    assert predicted.shape == (40, 1)
+    np.testing.assert_allclose(predicted, plain.predict(x[:40], verbose=0), rtol=RTOL, atol=1e-6)

@@ -67,12 +67,18 @@ class Batch(NamedTuple):
     Attributes:
       features: DTensor(s) ``[B, ...]``, dim 0 sharded on the batch axis.
       labels: DTensor ``[B]``.
-      weights: float32 DTensor ``[B]``: 1.0 for a real example, 0.0 for padding.
+      weights: float32 DTensor ``[B]``: 1.0 for a real example, 0.0 for padding; for data
+        that carries sample weights, each example's weight (0.0 on padding).
+      examples: for data that carries sample weights, float32 DTensor ``[B]``: 1.0 for a real
+        example, 0.0 for padding (the loss is divided by their count, as Keras divides by the
+        batch size, not by the weights' sum; a real example of weight 0 counts); else None
+        (``weights`` says it).
     """
 
     features: Any
     labels: Any
     weights: Any
+    examples: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -547,6 +553,7 @@ class DistributedDataset:
         n = len(tf.nest.flatten(labels)[0])
         weights = (np.asarray(element[2], np.float32) if self._has_weights
                    else np.ones(n, np.float32))
+        examples = np.ones(n, np.float32) if self._has_weights else None
         axis = (len(_local_batch_indices(self.mesh, self.config.batch_axis)) if self._local
                 else self.mesh.dim_size(self.config.batch_axis))
         unit = axis * getattr(self, "row_multiple", 1)
@@ -557,7 +564,9 @@ class DistributedDataset:
             features = tf.nest.map_structure(pad, features)
             labels = tf.nest.map_structure(pad, labels)
             weights = pad(weights)
-        return features, labels, weights
+            examples = None if examples is None else pad(examples)
+        return (features, labels, weights) if examples is None else (
+            features, labels, weights, examples)
 
     def _items(self, epoch: int, skip_batches: int) -> Iterator[Batch]:
         n = self.config.steps_per_call

@@ -510,6 +510,13 @@ def _accumulated_train_step(model: tf_keras.Model, state: _MeshState, data: Any)
         with randomness.replay(draws), randomness.microbatch_scope(k, j):
             with tf.GradientTape() as tape:
                 y_pred = model(xj, training=True)
+                if any(getattr(t, "_keras_mask", None) is not None
+                       for t in tf.nest.flatten(y_pred)):
+                    raise ValueError(
+                        f"gradient_accumulation_steps={k} on a model whose output carries a "
+                        "Keras mask: Keras's loss is the mean over the batch's unmasked elements, "
+                        "which differ in number between microbatches, so their mean is not the "
+                        "batch's; drop gradient_accumulation_steps for this model")
                 loss = model.compute_loss(xj, yj, y_pred, wj)
         model._validate_target_and_loss(yj, loss)  # pylint: disable=protected-access
         grads = tape.gradient(loss, variables)

@@ -261,6 +261,42 @@ def _loop_name(kind: str) -> str:
     return f"dtk_{kind}_{next(_LOOPS)}"
 
 
+def _parts(batch: Any) -> tuple:
+    """``(features, labels, weights, examples)`` of a batch of 3 or 4 parts
+    (``dtk.data.input.Batch``: ``examples`` only for data that carries sample weights)."""
+    parts = tuple(batch)
+    return parts + (None,) * (4 - len(parts))
+
+
+def _step_of(stack: Any, i: Any) -> tuple:
+    """Batch ``i`` of a stack ``[n, B, ...]`` (``tf.gather``: indexing fails under DTensor)."""
+    return tuple(None if part is None else tf.nest.map_structure(lambda t: tf.gather(t, i), part)
+                 for part in stack)
+
+
+def _output_mask(predictions: Any, losses: tf.Tensor) -> tf.Tensor | None:
+    """The Keras mask a model's (single) output carries, as float32 of the losses' shape; None
+    when it carries none."""
+    mask = getattr(predictions, "_keras_mask", None)
+    if mask is None:
+        return None
+    mask = tf.cast(mask, tf.float32)
+    if mask.shape.rank != losses.shape.rank:
+        raise ValueError(
+            f"the model's output mask has shape {mask.shape} but its per-element losses "
+            f"{losses.shape}; Keras weights each loss element by the mask, so they must match "
+            "(e.g. a per-token loss [batch, time] for a mask [batch, time])")
+    return mask
+
+
+def _metric_weights(weights: tf.Tensor, mask: tf.Tensor | None) -> tf.Tensor:
+    """A metric's sample weights: the examples' (0 on padding), times the output mask where the
+    output carries one (as Keras's compiled metrics apply it)."""
+    if mask is None:
+        return weights
+    return mask * tf.reshape(weights, [-1] + [1] * (mask.shape.rank - 1))
+
+
 def _scalar_zero(mesh: dtensor.Mesh) -> tf.Tensor:
     return dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[])
 
@@ -295,6 +331,7 @@ class Steps:
         # A model that overrides train_step / test_step runs its own step (see _custom_train).
         self.custom = overridden_steps(model)
         self._last_custom = False
+        self._logs: dict[str, dict[str, tf.Variable]] = {}  # a model's own step's logs
         if self.custom:
             self._prepare_custom_steps(loss, config)
         self.sparse, why_dense = sparse_lib.choose(
@@ -324,8 +361,7 @@ class Steps:
             self._custom_eval_body if "test_step" in self.custom else self._eval_body,
             "evaluate", stacked=False)
         self._predict = _function(self._predict_body, jit_compile=config.jit_compile)
-        self._take = tf.function(autograph=False, func=lambda stack, i: tuple(
-            tf.nest.map_structure(lambda t: tf.gather(t, i), part) for part in stack))
+        self._take = tf.function(autograph=False, func=lambda stack, i: _step_of(stack, i))
 
     def _create_state(self, shard: bool) -> None:
         """The sharded update's float32 masters (where ``shard``) and the optimizer's slots.
@@ -381,15 +417,37 @@ class Steps:
         _log.info("dtk runs %s's own %s on the mesh", name, " and ".join(self.custom))
 
     def _custom_train_body(self, batch):
-        features, labels, _ = batch  # training batches hold no padding (remainder is checked)
+        features, labels, weights, examples = _parts(batch)  # no padding (remainder checked)
+        data = (features, labels) if examples is None else (features, labels, weights)
         with randomness.step_scope(self.optimizer.iterations.read_value()):
-            logs = self.model.train_step((features, labels))
+            logs = self.model.train_step(data)
         self._warn_uncovered_random_ops()
+        self._keep_logs("train", logs)
         return self._loss_of(logs)
 
     def _custom_eval_body(self, batch):
-        features, labels, _ = batch  # Trainer.evaluate refuses padded data for a test_step
-        return self._loss_of(self.model.test_step((features, labels)))
+        features, labels, weights, examples = _parts(batch)  # Trainer.evaluate refuses padding
+        data = (features, labels) if examples is None else (features, labels, weights)
+        logs = self.model.test_step(data)
+        self._keep_logs("evaluate", logs)
+        return self._loss_of(logs)
+
+    def _keep_logs(self, kind: str, logs: Any) -> None:
+        """Keeps a model's own step's scalar logs (keras.io's Distiller returns
+        ``student_loss`` and ``distillation_loss``, no metric's) in variables on the mesh, as
+        Keras's fit reports the last step's logs; ``results()`` reads them."""
+        if not isinstance(logs, dict):
+            return
+        kept = self._logs.setdefault(kind, {})
+        for name, value in logs.items():
+            if not isinstance(value, tf.Tensor) or value.shape.num_elements() != 1:
+                continue
+            if name not in kept:
+                with tf.init_scope():  # made once, on the mesh, in the first trace
+                    kept[name] = dtensor.DVariable(dtensor.call_with_layout(
+                        tf.zeros, dtensor.Layout.replicated(self.mesh, 0), shape=[],
+                        dtype=tf.float32), trainable=False)
+            kept[name].assign(tf.cast(tf.reshape(value, []), tf.float32))
 
     def _loss_of(self, logs) -> tf.Tensor:
         """The scalar a compiled call returns: the step's ``loss`` log, else 0."""
@@ -399,7 +457,10 @@ class Steps:
         return tf.cast(tf.reshape(value, []), tf.float32)
 
     # -- bodies -----------------------------------------------------------------------------------
-    def _weighted_loss(self, labels, predictions, weights):
+    def _weighted_loss(self, labels, predictions, weights, examples=None):
+        """The batch's weighted loss sum and what it is divided by, Keras's way: the count of
+        real examples (``examples``, else the 0/1 ``weights``), not the sample weights' sum;
+        with an output mask, the count of unmasked elements of real examples."""
         # Like Keras's LossFunctionWrapper: AutoGraph converts a user's loss function, not Keras's.
         loss_fn = tf.__internal__.autograph.tf_convert(
             self.loss_fn, tf.__internal__.autograph.control_status_ctx())
@@ -411,12 +472,22 @@ class Steps:
                 "normalize by the global batch. Return the unreduced losses (e.g. no "
                 "tf.reduce_mean at the end), or pass a tf_keras.losses.Loss")
         per_example = tf.cast(per_example, tf.float32)
+        mask = _output_mask(predictions, per_example)
+        if mask is not None:
+            # As Keras's Loss with an output mask (Embedding(mask_zero=True), compute_mask): the
+            # mean over the unmasked elements of the real examples, sum(loss * mask) /
+            # sum(mask), not over every element.
+            shape = [-1] + [1] * (per_example.shape.rank - 1)
+            rows = tf.reshape(weights, shape)
+            real = rows if examples is None else tf.reshape(examples, shape)
+            return (tf.reduce_sum(per_example * mask * rows),
+                    tf.reduce_sum(mask * real), mask)
         if per_example.shape.rank != 1:
             per_example = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
             per_example = tf.reduce_mean(per_example, axis=1)
-        count = tf.reduce_sum(weights)
+        count = tf.reduce_sum(weights if examples is None else examples)
         total = tf.reduce_sum(per_example * weights)
-        return total, count
+        return total, count, None
 
     def _normalized(self, total, count):
         """The batch loss from its weighted sum: the mean over real examples (``count``), or the
@@ -425,10 +496,11 @@ class Steps:
             return total
         return tf.math.divide_no_nan(total, count)
 
-    def _update_metrics(self, loss, count, labels, predictions, weights):
+    def _update_metrics(self, loss, count, labels, predictions, weights, mask=None):
         self.loss_metric.update_state(loss, sample_weight=count)
         for metric in self.metrics:
-            metric.update_state(self._metric_labels(labels), predictions, sample_weight=weights)
+            metric.update_state(self._metric_labels(labels), predictions,
+                                sample_weight=_metric_weights(weights, mask))
 
     def _metric_labels(self, labels):
         """Labels laid out on the batch axis only (a no-op unless sharded along the sequence too,
@@ -446,7 +518,7 @@ class Steps:
         gradients, with the predictions for the metrics and the model's own losses
         (regularization, ``add_loss``; scaled by ``extra_losses_scale``), which Keras adds to
         the loss it reports."""
-        features, labels, weights = batch
+        features, labels, weights, examples = _parts(batch)
         if self.sparse is not None:
             self.sparse.start_recording()
         with tf.GradientTape() as tape:
@@ -456,7 +528,9 @@ class Steps:
             with fsdp.gather_scope(), fsdp.recording() as gathered:
                 predictions = self.model(features, training=True)
             self._warn_uncovered_random_ops()
-            total, _ = self._weighted_loss(labels, predictions, weights)
+            total, masked, mask = self._weighted_loss(labels, predictions, weights, examples)
+            if mask is not None:  # the loss is over the unmasked elements (_weighted_loss)
+                count = masked
             loss = self._normalized(total, count)
             penalty = self._model_losses() * extra_losses_scale
             loss = loss + penalty
@@ -474,7 +548,7 @@ class Steps:
         # Embedding gradients arrive as IndexedSlices, whose scatter update DTensor cannot lay
         # out (ResourceScatterAdd): apply them dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        return total, grads, predictions, penalty
+        return total, grads, predictions, penalty, (count, mask)
 
     def _model_losses(self):
         """The sum of the model's own losses of this call (a float32 scalar; 0 when none)."""
@@ -483,19 +557,20 @@ class Steps:
         return tf.cast(tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]), tf.float32)
 
     def _train_body(self, batch):
-        features, labels, weights = batch
+        features, labels, weights, examples = _parts(batch)
         variables = self._dense_variables
-        count = tf.reduce_sum(weights)
+        count = tf.reduce_sum(weights if examples is None else examples)
         k = self.config.gradient_accumulation_steps
         with randomness.step_scope(self.optimizer.iterations.read_value()):
+            mask = None
             if k == 1:
-                total, grads, predictions, penalty = self._forward_backward(batch, count,
-                                                                            variables)
+                total, grads, predictions, penalty, (normalizer, mask) = self._forward_backward(
+                    batch, count, variables)
             else:
                 total, grads, penalty = self._accumulate(batch, count, variables, k)
-                predictions = None
+                predictions, normalizer = None, count
         # The reported loss is Keras's: the data loss plus the model's regularization losses.
-        loss = self._normalized(total, count) + penalty
+        loss = self._normalized(total, normalizer) + penalty
         if self.sparse is not None:  # first: lazy Adam reads the step before its increment
             # The touched rows' changes, added in place after the step (Steps.train).
             self._sparse_changes = self.sparse.apply(*self._sparse_pending)
@@ -509,7 +584,8 @@ class Steps:
             if predictions is not None:
                 for metric in self.metrics:
                     metric.update_state(self._metric_labels(labels), predictions,
-                                        sample_weight=weights)
+                                        sample_weight=_metric_weights(
+                                            weights if examples is None else examples, mask))
             return tf.identity(loss)
 
         # The update runs in a region of its own (a cond that is always true; no measurable cost):
@@ -535,16 +611,23 @@ class Steps:
             rows = t.shape[0]
             return tf.reshape(t, [rows // k, k, *t.shape[1:]])
 
-        parts = tf.nest.map_structure(split, tuple(batch))  # features may be a dict
+        parts = tuple(None if part is None else tf.nest.map_structure(split, part)
+                      for part in _parts(batch))  # features may be a dict
 
         def body(j, total, penalty, *acc):
-            micro = tf.nest.map_structure(lambda t: tf.gather(t, j, axis=1), parts)
+            micro = tuple(None if part is None else tf.nest.map_structure(
+                lambda t: tf.gather(t, j, axis=1), part) for part in parts)
             with randomness.microbatch_scope(k, j):
-                part_total, grads, predictions, part_penalty = self._forward_backward(
+                part_total, grads, predictions, part_penalty, (_, mask) = self._forward_backward(
                     micro, count, variables, extra_losses_scale=1.0 / k)
+            if mask is not None:
+                raise ValueError(
+                    f"gradient_accumulation_steps={k} on a model whose output carries a Keras "
+                    "mask: the loss is the mean over the whole batch's unmasked elements, which "
+                    "no microbatch knows; drop gradient_accumulation_steps for this model")
             for metric in self.metrics:
                 metric.update_state(self._metric_labels(micro[1]), predictions,
-                                    sample_weight=micro[2])
+                                    sample_weight=micro[2] if micro[3] is None else micro[3])
             return (j + 1, total + part_total, penalty + part_penalty,
                     *[a + g for a, g in zip(acc, grads)])
 
@@ -592,13 +675,16 @@ class Steps:
                 master.assign(dtensor.relayout(variable.read_value(), layout))
 
     def _eval_body(self, batch):
-        features, labels, weights = batch
+        features, labels, weights, examples = _parts(batch)
         with fsdp.gather_scope():
             predictions = self.model(features, training=False)
             penalty = self._model_losses()
-        total, count = self._weighted_loss(labels, predictions, weights)
-        loss = self._normalized(total, count) + penalty
-        self._update_metrics(loss, count, labels, predictions, weights)
+        total, normalizer, mask = self._weighted_loss(labels, predictions, weights, examples)
+        loss = self._normalized(total, normalizer) + penalty
+        real = weights if examples is None else examples
+        # compile(metrics=...) are not weighted by the sample weights in Keras (that is
+        # weighted_metrics): they count each real example once.
+        self._update_metrics(loss, tf.reduce_sum(real), labels, predictions, real, mask)
         return loss
 
     def _predict_body(self, features):
@@ -622,8 +708,7 @@ class Steps:
 
             def step(i, loss):  # pylint: disable=unused-argument
                 # features and labels may be nests (a dict of inputs, several outputs)
-                return i + 1, body(tuple(tf.nest.map_structure(lambda t: tf.gather(t, i), part)
-                                         for part in stack))
+                return i + 1, body(_step_of(stack, i))
 
             _, loss = tf.while_loop(lambda i, _: i < n, step,
                                     (tf.zeros_like(n), _scalar_zero(mesh)),
@@ -646,7 +731,7 @@ class Steps:
             raise ValueError(f"model {type(self.model).__name__} overrides train_step, which dtk "
                              "runs one step per call: give unstacked batches "
                              "(steps_per_execution=1)")
-        self._last_custom = "train_step" in self.custom
+        self._last_custom = "train" if "train_step" in self.custom else False
         if self.sparse is None:
             return (self._train_many if stacked else self._train_one)(tuple(batch))
         # Sparse tables: each step's touched rows are added in place between compiled calls
@@ -664,7 +749,7 @@ class Steps:
 
     def evaluate(self, batch) -> tf.Tensor:
         """Accumulates loss and metrics over one (unstacked) batch; updates nothing else."""
-        self._last_custom = "test_step" in self.custom
+        self._last_custom = "evaluate" if "test_step" in self.custom else False
         return self._evaluate(tuple(batch))
 
     def predict(self, features) -> tf.Tensor:
@@ -680,9 +765,12 @@ class Steps:
     def results(self) -> dict[str, float]:
         """Current metric values as Python floats (this waits for pending steps).
 
-        After the model's own ``train_step`` / ``test_step``: its metrics (``model.metrics``),
-        as ``Model.fit`` reports them.
+        After the model's own ``train_step`` / ``test_step``: the last step's logs, as
+        ``Model.fit`` reports them (its metrics' results, and any other scalar it returns).
         """
         if self._last_custom:
-            return {m.name: float(m.result()) for m in self.model.metrics}
+            logs = {m.name: float(m.result()) for m in self.model.metrics}
+            logs.update({name: float(v.numpy())
+                         for name, v in self._logs.get(self._last_custom, {}).items()})
+            return logs
         return {m.name: float(m.result()) for m in [self.loss_metric, *self.metrics]}

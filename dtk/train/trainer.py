@@ -390,7 +390,9 @@ class Trainer:
             ``steps_per_execution``).
           epochs: total epochs, counting epochs done before a resume.
           validation_data: evaluated at the end of every epoch (``val_`` logs).
-          on_epoch_end: callables ``f(epoch, logs)``.
+          on_epoch_end: callables ``f(epoch, logs)``. One that sets ``trainer.model.stop_training
+            = True`` (as Keras's EarlyStopping does) ends training after that epoch; a model's
+            own ``train_step`` may set it too.
           on_step_end: callables ``f(global_step)`` after every compiled call.
 
         Returns:
@@ -439,6 +441,7 @@ class Trainer:
         writer = self._summary_writer()
         self.timing = Timing()
         self._epochs = epochs
+        self.model.stop_training = False  # as Keras's fit: a callback or train_step may set it
         while epoch < epochs and not self._done():
             if skip == 0:
                 self.steps.reset_metrics()
@@ -461,9 +464,13 @@ class Trainer:
             for callback in on_epoch_end:
                 callback(epoch, logs)
             epoch += 1
+            if getattr(self.model, "stop_training", False):  # EarlyStopping's way, as in Keras
+                _log.info("training stopped after epoch %d: model.stop_training was set", epoch)
+                break
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the last asynchronous save is complete and recorded
-        if getattr(self.optimizer, "use_ema", False) and epoch >= epochs:
+        stopped = bool(getattr(self.model, "stop_training", False))
+        if getattr(self.optimizer, "use_ema", False) and (epoch >= epochs or stopped):
             # As Keras's fit ends: the weights become their moving average (Adam(use_ema=True))
             self.optimizer.finalize_variable_values(self.model.trainable_variables)
         return self.history
@@ -764,8 +771,9 @@ class Trainer:
         outputs = []
         try:
             for batch in data.epoch(0):
-                features, _, weights = batch
-                keep = ckpt_lib.global_value(weights) > 0
+                features, real = batch[0], batch[3] if len(batch) > 3 else None
+                real = batch[2] if real is None else real  # padding is 0 (a real example's
+                keep = ckpt_lib.global_value(real) > 0     # sample weight may be too)
                 outputs.append(tf.nest.map_structure(
                     lambda out: ckpt_lib.global_value(out)[keep], self.steps.predict(features)))
         except tf.errors.OpError as e:
