@@ -21,7 +21,7 @@ _env.import_tensorflow_quietly()  # before tf_keras loads it: its load-time C++ 
 
 import tf_keras  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from dtk.parallel import sequence
+from dtk.parallel import experts, sequence
 from dtk.parallel.attention import BlockwiseAttention
 
 IMAGE_SHAPE = (28, 28, 1)
@@ -160,6 +160,8 @@ class PositionEmbedding(tf_keras.layers.Layer):
 def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, heads: int = 4,
                    layers: int = 2, ff: int | None = None, dropout: float = 0.0,
                    attention: str = "mha", block_size: int | None = None,
+                   moe_experts: int = 0, moe_top_k: int = 1, moe_capacity_factor: float = 1.25,
+                   moe_every: int = 1, moe_group_size: int | None = None,
                    name: str = "transformer_lm") -> tf_keras.Model:
     """A decoder-only (GPT-style) transformer over byte tokens: next-token logits ``[B, T, vocab]``.
 
@@ -172,12 +174,25 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
     (``dtk.parallel.attention.BlockwiseAttention``: the same weights, memory linear in
     ``seq_len``; no dropout on the attention probabilities, the residual dropout stays; None:
     the layer's default, 256 keys where they divide ``seq_len``).
+
+    ``moe_experts=E`` replaces the MLP of every ``moe_every``-th block (blocks ``moe_every - 1``,
+    ``2 * moe_every - 1``, ...) by a mixture of E experts of width ``ff``
+    (``dtk.parallel.experts.MixtureOfExperts``, named ``block{i}_moe``): top-``moe_top_k``
+    routing over groups of ``moe_group_size`` positions (None: the whole sequence) with
+    ``moe_capacity_factor``, its load-balancing and z-losses added to the loss. Lay it out with
+    ``layouts/transformer_lm_moe.toml`` (experts over ``expert``) or
+    ``transformer_lm_moe_batch.toml`` (experts over ``batch``).
     """
     ff = ff or 4 * dim
     if attention not in ("mha", "blockwise"):
         raise ValueError(f"attention must be 'mha' or 'blockwise'; got {attention!r}")
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+    if moe_experts:
+        experts.check_settings(num_experts=moe_experts, top_k=moe_top_k,
+                               capacity_factor=moe_capacity_factor)
+        if not isinstance(moe_every, int) or moe_every < 1:
+            raise ValueError(f"moe_every must be a positive integer; got {moe_every!r}")
     tokens = tf_keras.Input((seq_len,), dtype="int32", name="tokens")
     h = tf_keras.layers.Embedding(vocab, dim, name="embed",
                                   embeddings_initializer=tf_keras.initializers.RandomNormal(
@@ -201,9 +216,15 @@ def transformer_lm(*, vocab: int = 256, seq_len: int = 128, dim: int = 128, head
         a = tf_keras.layers.Dropout(dropout, name=f"block{i}_drop1")(a)
         h = sequence.SequenceSharding(name=f"block{i}_seq1")(h + a)
         f = tf_keras.layers.LayerNormalization(epsilon=1e-5, name=f"block{i}_ln2")(h)
-        f = sequence.SequenceGather(megatron_only=True, name=f"block{i}_ffin")(f)
-        f = tf_keras.layers.Dense(ff, activation="gelu", name=f"block{i}_ff1")(f)
-        f = tf_keras.layers.Dense(dim, name=f"block{i}_ff2")(f)
+        if moe_experts and i % moe_every == moe_every - 1:
+            # Routed where the tokens are (no gather): the all-to-all moves them to the experts.
+            f = experts.MixtureOfExperts(
+                moe_experts, ff, top_k=moe_top_k, capacity_factor=moe_capacity_factor,
+                group_size=moe_group_size, name=f"block{i}_moe")(f)
+        else:
+            f = sequence.SequenceGather(megatron_only=True, name=f"block{i}_ffin")(f)
+            f = tf_keras.layers.Dense(ff, activation="gelu", name=f"block{i}_ff1")(f)
+            f = tf_keras.layers.Dense(dim, name=f"block{i}_ff2")(f)
         f = tf_keras.layers.Dropout(dropout, name=f"block{i}_drop2")(f)
         h = sequence.SequenceSharding(name=f"block{i}_seq2")(h + f)
     h = tf_keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(h)

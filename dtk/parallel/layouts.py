@@ -38,7 +38,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk import _env
-from dtk.parallel import materialize, ops as op_support, randomness, sequence
+from dtk.parallel import experts, materialize, ops as op_support, randomness, sequence
 from dtk.parallel import fsdp as fsdp_lib
 from dtk import keras_check
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh
@@ -799,7 +799,12 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                                      sequence_axis=plan.table.sequence_axis,
                                      sequence_parallel_axis=plan.table.sequence_parallel_axis,
                                      table_name=plan.table.name, fsdp=fsdp,
-                                     attention=plan.table.sequence_attention)]:
+                                     attention=plan.table.sequence_attention),
+                 *experts.configure(model, mesh, batch_axis=BATCH_AXIS,
+                                    sequence_axis=sequence.choose_axis(
+                                        mesh, sequence_axis=plan.table.sequence_axis,
+                                        sequence_parallel_axis=None if fsdp else
+                                        plan.table.sequence_parallel_axis)[0])]:
         _log.info("layouts: %s", line)
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         # DTensor has no layout propagation for FusedBatchNormV3 (used by both layers when fused).

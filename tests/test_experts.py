@@ -1,0 +1,183 @@
+"""Issue 60: a mixture-of-experts LM whose experts are sharded over an ``expert`` axis (or over
+``batch``), with routing that does not depend on the mesh: the losses of one device on every
+mesh, with dropout, for top-1 and top-2 routing."""
+
+import dataclasses
+import functools
+import glob
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import dtk
+from dtk import models
+from dtk.data import input as input_lib
+from dtk.parallel import experts, layouts
+
+SEQ, B, N = 16, 8, 10
+
+
+def _factory(top_k, **kwargs):
+    return functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
+                             layers=2, dropout=0.1, moe_experts=8, moe_top_k=top_k,
+                             moe_group_size=4, moe_capacity_factor=1.0, **kwargs)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 64, (N, B, SEQ)).astype(np.int32),
+            rng.integers(0, 64, (N, B, SEQ)).astype(np.int64))
+
+
+def _table(spec, attention=None):
+    table = layouts.load_table("transformer_lm_moe" if "expert" in spec or spec == "batch=1"
+                               else "transformer_lm_moe_batch")
+    return dataclasses.replace(table, sequence_attention=attention) if attention else table
+
+
+def _run(spec, top_k, n=N, attention=None, factory=None):
+    mesh = dtk.build_mesh(spec)
+    table = _table(spec, attention)
+    model, _ = layouts.build_model(factory or _factory(top_k), mesh, table, seed=7)
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
+                      optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
+                      config=dtk.StepConfig(shard_optimizer_state=False))
+    seq = table.sequence_axis if table.sequence_axis in mesh.dim_names else None
+    x, y = _data()
+    losses = np.array([float(steps.train(input_lib.pack(
+        mesh, (x[i], y[i], np.ones(B, np.float32)), sequence_axis=seq))) for i in range(n)])
+    return model, steps, losses
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device(top_k):
+    model, _, losses = _run("batch=1", top_k)
+    return losses, experts.routing_stats(model)
+
+
+@pytest.mark.parametrize("spec, top_k", [
+    ("batch=2,expert=4", 1),
+    pytest.param("batch=2,expert=4", 2, marks=pytest.mark.slow),
+    pytest.param("batch=8", 1, marks=pytest.mark.slow),           # experts over batch
+    pytest.param("batch=8", 2, marks=pytest.mark.slow),
+    pytest.param("batch=2,expert=2,model=2", 2, marks=pytest.mark.slow),
+])
+def test_the_moe_lm_trains_like_one_device(spec, top_k):
+    """10 steps of the MoE LM (8 experts, groups of 4 positions, capacity factor 1.0, so tokens
+    are dropped) with dropout 0.1: batch=1's losses at 1e-5, and the same routing: the same
+    fraction of choices dropped and the same expert loads."""
+    model, _, losses = _run(spec, top_k)
+    want, stats = _one_device(top_k)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    got = experts.routing_stats(model)
+    assert got == pytest.approx(stats, rel=1e-6)
+    assert 0 < got["moe_dropped"] < 1  # capacity 1.0 on groups of 4 drops some, not all
+    w1 = model.get_layer("block0_moe").w1
+    axis = "expert" if "expert" in spec else "batch"
+    assert tf.experimental.dtensor.fetch_layout(w1).sharding_specs[0] == axis
+
+
+def _collectives(function, *args):
+    """The names of the collective ops one call of ``function`` runs (from a profile)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+    logdir = tempfile.mkdtemp()
+    tf.profiler.experimental.start(logdir)
+    try:
+        function(*args)
+    finally:
+        tf.profiler.experimental.stop()
+    names = set()
+    for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            names.update(md.name.split(":")[-1] for md in plane.event_metadata.values()
+                         if md.name.split(":")[-1].startswith("Collective"))
+    return names
+
+
+def test_the_tokens_reach_their_experts_by_an_all_to_all():
+    """On batch=2,expert=4 the MoE LM's step runs CollectiveAllToAllV2 (the expert relayouts),
+    and the same LM without experts does not (attention gathers its keys and values over the
+    sequence here, all_gather, so that no other all-to-all is in the step)."""
+    x, y = _data()
+    found = {}
+    dense = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
+                              layers=2)
+    for name, spec, factory, table in (
+            ("moe", "batch=2,expert=4", _factory(1), "transformer_lm_moe"),
+            ("dense", "batch=2,seq=4", dense, "transformer_lm")):  # the same tokens' split
+        mesh = dtk.build_mesh(spec)
+        model, _ = layouts.build_model(factory, mesh, dataclasses.replace(
+            layouts.load_table(table), sequence_attention="all_gather"), seed=7)
+        steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
+                          optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
+                          config=dtk.StepConfig(shard_optimizer_state=False))
+        seq = spec.split(",")[1].split("=")[0]
+        batch = input_lib.pack(mesh, (x[1], y[1], np.ones(B, np.float32)), sequence_axis=seq)
+        float(steps.train(batch))  # traced before the profile
+        found[name] = _collectives(lambda b: float(steps.train(b)), batch)
+    assert "CollectiveAllToAllV2" in found["moe"], found
+    assert "CollectiveAllToAllV2" not in found["dense"], found
+
+
+def test_the_layer_works_in_plain_tf_keras_and_counts_what_it_drops(tmp_path):
+    """The layer on one device, no dtk: its losses (balance and z) in model.losses, a capacity
+    too small for its tokens drops choices and counts them (those tokens' outputs are 0: the
+    residual carries them), and a model with it saves and loads in plain tf_keras with the
+    same outputs."""
+    inputs = tf_keras.Input((8, 4))
+    outputs = experts.MixtureOfExperts(4, 8, top_k=2, capacity_factor=0.25, group_size=4,
+                                       name="moe")(inputs)
+    model = tf_keras.Model(inputs, outputs)
+    x = tf.random.stateless_normal([2, 8, 4], seed=[1, 2])
+    y = model(x, training=True)
+    assert y.shape == (2, 8, 4)
+    assert len(model.losses) == 2 and all(float(v) > 0 for v in model.losses)
+    layer = model.get_layer("moe")
+    assert layer.capacity(4) == 1  # ceil(0.25 * 2 * 4 / 4)
+    stats = experts.routing_stats(model)
+    # 16 tokens x 2 choices, 4 groups x 4 experts x 1 slot: at least half dropped
+    assert stats["moe_dropped"] >= 0.5
+    assert float(layer.tokens) == 16
+    assert float(layer.dropped) + float(tf.reduce_sum(layer.load)) == 32
+    path = str(tmp_path / "moe.keras")
+    model.save(path)
+    loaded = tf_keras.models.load_model(path)
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
+    assert loaded.get_layer("moe").get_config() == layer.get_config()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_experts": 0, "hidden": 8}, "num_experts must be a positive integer; got 0"),
+    ({"num_experts": 2, "hidden": 8, "top_k": 3}, "top_k must be 1 (Switch) or 2 (GShard)"),
+    ({"num_experts": 1, "hidden": 8, "top_k": 2}, "top_k=2 is more than the 1 expert"),
+    ({"num_experts": 4, "hidden": 8, "capacity_factor": 0}, "capacity_factor must be > 0"),
+    ({"num_experts": 4, "hidden": 8, "capacity_factor": -1.0}, "capacity_factor must be > 0"),
+    ({"num_experts": 4, "hidden": 0}, "hidden must be a positive integer"),
+    ({"num_experts": 4, "hidden": 8, "group_size": 0}, "group_size must be a positive integer"),
+])
+def test_bad_layer_settings_are_one_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        experts.MixtureOfExperts(**kwargs)
+
+
+def test_experts_the_axis_cannot_divide_are_named():
+    """6 experts on an expert axis of 4: refused when the model is laid out, naming the count,
+    the axis, its size and the fix."""
+    factory = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
+                                layers=1, moe_experts=6)
+    with pytest.raises(ValueError, match=r"dim 0 \(6\) is not divisible by mesh axis 'expert' "
+                                         r"\(size 4\).*multiple of 4"):
+        layouts.build_model(factory, dtk.build_mesh("batch=2,expert=4"),
+                            "transformer_lm_moe", seed=0)
+
+
+def test_a_group_size_that_does_not_divide_the_sequence_is_named():
+    layer = experts.MixtureOfExperts(4, 8, group_size=5, name="moe")
+    with pytest.raises(ValueError, match="group_size 5 does not divide the sequence length 16"):
+        layer(tf.zeros([1, 16, 4]))
