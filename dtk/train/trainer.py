@@ -1021,5 +1021,6 @@ class _AutoSteps:
 def _first_steps(batch, n: int):
     """The first ``n`` batches of a stacked batch (for ``max_steps`` inside a stack)."""
     index = tf.range(n)
-    return type(batch)(*(tf.gather(t, index) for t in batch)) if hasattr(batch, "_fields") else \
-        tuple(tf.gather(t, index) for t in batch)
+    parts = (None if t is None else tf.nest.map_structure(lambda x: tf.gather(x, index), t)
+             for t in batch)  # features may be a dict; examples may be None
+    return type(batch)(*parts) if hasattr(batch, "_fields") else tuple(parts)
