@@ -63,6 +63,11 @@ WORKLOADS = {
                           "steps": 5, "attention": "blockwise"},
     "lm_t4096_blockwise": {"batch": 8, "seq_len": 4096, "dim": 64, "heads": 4, "layers": 1,
                            "steps": 3, "attention": "blockwise"},
+    # Issue 60's mixture of experts: the LM with 8 experts in each block, top-1 (the same active
+    # parameters per token as "lm"), routed in groups of 32 positions, capacity factor 1.25;
+    # experts over batch (transformer_lm_moe_batch) or over an expert axis (transformer_lm_moe).
+    "lm_moe8": {"batch": 32, "seq_len": 128, "dim": 128, "heads": 8, "layers": 2, "steps": 12,
+                "moe_experts": 8},
     # Issue 43's recommender (dtk.models.dlrm, dim 16, global batch 1024, Adam): table0 at 2^16,
     # 2^20 and 2^23 rows (the other tables 4096, 256, 16), row-sharded (layouts/recsys*.toml).
     "recsys16": {"rows": 1 << 16, "batch": 1024, "steps": 20},
@@ -74,7 +79,8 @@ MESHES = {"dtk_batch4_model2": "batch=4,model=2", "dtk_batch2_model4": "batch=2,
           "dtk_batch2_model4_nosp": "batch=2,model=4", "dtk_batch2_seq4": "batch=2,seq=4",
           "dtk_batch2_seq2_model2": "batch=2,seq=2,model=2", "dtk_batch1_seq8": "batch=1,seq=8",
           "dtk_batch2_seq4_gather": "batch=2,seq=4", "dtk_batch2_seq4_a2a": "batch=2,seq=4",
-          "dtk_batch1_seq8_gather": "batch=1,seq=8", "dtk_batch1_seq8_a2a": "batch=1,seq=8"}
+          "dtk_batch1_seq8_gather": "batch=1,seq=8", "dtk_batch1_seq8_a2a": "batch=1,seq=8",
+          "dtk_batch2_expert4": "batch=2,expert=4", "dtk_batch4_expert2": "batch=4,expert=2"}
 VARIANTS = {
     "floor": "plain tf.function loop, 1 device",
     "keras_fit": "plain tf_keras Model.fit, 1 device",
@@ -99,13 +105,15 @@ VARIANTS = {
     "dtk_batch2_seq4_a2a": "LM: batch=2,seq=4, attention all-to-all to heads (Ulysses)",
     "dtk_batch1_seq8_gather": "LM: batch=1,seq=8, all-gather attention",
     "dtk_batch1_seq8_a2a": "LM: batch=1,seq=8, all-to-all attention (Ulysses)",
+    "dtk_batch2_expert4": "MoE LM: batch=2,expert=4 (experts over expert, tokens over both)",
+    "dtk_batch4_expert2": "MoE LM: batch=4,expert=2",
     "dtk_batch8_sparse": "recsys: dtk Steps, batch=8, tables row-sharded over batch, lazy Adam (sparse)",
     "dtk_batch4_model2_sparse": "recsys: dtk Steps, batch=4,model=2, tables row-sharded over model, lazy Adam",
 }
 # Run by default; the rest with --variants (the whole default run stays under 10 minutes here).
 DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("dtk_batch8_zero_spe", "dtk_batch2_model4",
                                                      "dtk_batch1_model8") and "fsdp" not in v
-                    and "remat" not in v]
+                    and "remat" not in v and "expert" not in v]
 WORKER_TIMEOUT_S = 300
 # --device gpu|tpu (scripts/accelerator_check.py): the variants run on the machine's accelerators;
 # the meshes named for 8 devices are scaled to their number N (batch=8 -> batch=N, batch=4,model=2
@@ -303,7 +311,9 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         return models.transformer_lm(vocab=256, seq_len=seq, dim=spec["dim"],
                                      heads=spec["heads"], layers=spec["layers"],
                                      dropout=spec.get("dropout", 0.0),
-                                     attention=spec.get("attention", "mha"))
+                                     attention=spec.get("attention", "mha"),
+                                     moe_experts=spec.get("moe_experts", 0),
+                                     moe_group_size=32 if spec.get("moe_experts") else None)
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (batch, seq)).astype(np.int32)
@@ -320,7 +330,9 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
         first, times = _timed(lambda: step(xb, yb), steps)
     else:
         mesh = _mesh(dtk, MESHES.get(variant, "batch=8"))
-        table = layouts.load_table("transformer_lm")
+        moe = spec.get("moe_experts")
+        table = layouts.load_table(("transformer_lm_moe" if "expert" in mesh.dim_names
+                                    else "transformer_lm_moe_batch") if moe else "transformer_lm")
         if variant.endswith("_nosp"):  # the same table without Megatron's sequence parallelism
             import dataclasses  # pylint: disable=g-import-not-at-top
             table = dataclasses.replace(table, sequence_parallel_axis=None)
@@ -339,7 +351,9 @@ def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
                                   shard_optimizer_state="_zero" in variant,
                                   remat=models.MODEL_SPECS["lm"].remat if "_remat" in variant
                                   else ()))
-        packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)))
+        # The MoE LM's tokens arrive split along the sequence over expert (as train_lm.py packs).
+        seq_axis = table.sequence_axis if moe and table.sequence_axis in mesh.dim_names else None
+        packed = input_lib.pack(mesh, (x, y, np.ones(batch, np.float32)), sequence_axis=seq_axis)
         build_s = time.perf_counter() - start
         first, times = _timed(lambda: steps_obj.train(packed), steps)
         first += build_s

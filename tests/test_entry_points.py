@@ -90,6 +90,39 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--attention", "mha", "--block_size", "7", "--seq_len", "32"],
      "--block_size 7 sets blockwise attention's key blocks, but --attention is 'mha'; add "
      "--attention blockwise, or drop --block_size"),
+    # issue 60: mixture of experts
+    (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe", "--moe_experts", "8",
+      "--moe_top_k", "2"], ACCEPTED),
+    (["--mesh", "batch=8", "--layout", "transformer_lm_moe_batch", "--moe_experts", "8"],
+     ACCEPTED),  # experts over batch
+    (["--mesh", "batch=2,expert=2,model=2", "--layout", "transformer_lm_moe", "--moe_experts",
+      "4", "--moe_every", "2"], ACCEPTED),
+    (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe", "--moe_experts", "6"],
+     "--moe_experts 6 is not divisible by mesh axis 'expert' (size 4), over which --layout "
+     "transformer_lm_moe shards the experts; use a multiple of 4"),
+    (["--mesh", "batch=8", "--layout", "transformer_lm_moe_batch", "--moe_experts", "4"],
+     "--moe_experts 4 is not divisible by mesh axis 'batch' (size 8)"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "2", "--moe_top_k", "3"],
+     "--moe_top_k must be 1 (Switch) or 2 (GShard); got 3"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "1", "--moe_top_k", "2"],
+     "--moe_top_k 2 is more than the 1 expert(s)"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_capacity_factor", "0"],
+     "--moe_capacity_factor must be > 0"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_capacity_factor", "-1"],
+     "--moe_capacity_factor must be > 0"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "-2"], "--moe_experts must be >= 0"),
+    (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe"],
+     "mesh axis 'expert' (size 4) shards the experts of a mixture-of-experts LM, but "
+     "--moe_experts is 0; add --moe_experts E"),
+    (["--moe_experts", "8"], "--moe_experts 8 with --layout transformer_lm: the table has no rules "
+     "for the experts (block{i}_moe.*); use --layout transformer_lm_moe"),
+    (["--moe_top_k", "2"], "--moe_top_k set(s) the mixture of experts, but --moe_experts is 0"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_every", "3"],
+     "--moe_every 3 is more than --layers 2"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_group_size", "0"],
+     "--moe_group_size must be a positive integer"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_group_size", "48"],
+     "--moe_group_size 48 does not divide --seq_len 128"),
 ]
 
 TUNE_CASES = [

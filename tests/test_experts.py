@@ -19,10 +19,10 @@ from dtk.parallel import experts, layouts
 SEQ, B, N = 16, 8, 10
 
 
-def _factory(top_k, **kwargs):
+def _factory(top_k, group=4, **kwargs):
     return functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
                              layers=2, dropout=0.1, moe_experts=8, moe_top_k=top_k,
-                             moe_group_size=4, moe_capacity_factor=1.0, **kwargs)
+                             moe_group_size=group, moe_capacity_factor=1.0, **kwargs)
 
 
 def _data():
@@ -37,10 +37,10 @@ def _table(spec, attention=None):
     return dataclasses.replace(table, sequence_attention=attention) if attention else table
 
 
-def _run(spec, top_k, n=N, attention=None, factory=None):
+def _run(spec, top_k, n=N, attention=None, factory=None, group=4):
     mesh = dtk.build_mesh(spec)
     table = _table(spec, attention)
-    model, _ = layouts.build_model(factory or _factory(top_k), mesh, table, seed=7)
+    model, _ = layouts.build_model(factory or _factory(top_k, group), mesh, table, seed=7)
     steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
                       optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
                       config=dtk.StepConfig(shard_optimizer_state=False))
@@ -52,24 +52,26 @@ def _run(spec, top_k, n=N, attention=None, factory=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _one_device(top_k):
-    model, _, losses = _run("batch=1", top_k)
+def _one_device(top_k, group=4):
+    model, _, losses = _run("batch=1", top_k, group=group)
     return losses, experts.routing_stats(model)
 
 
-@pytest.mark.parametrize("spec, top_k", [
-    ("batch=2,expert=4", 1),
-    pytest.param("batch=2,expert=4", 2, marks=pytest.mark.slow),
-    pytest.param("batch=8", 1, marks=pytest.mark.slow),           # experts over batch
-    pytest.param("batch=8", 2, marks=pytest.mark.slow),
-    pytest.param("batch=2,expert=2,model=2", 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("spec, top_k, group", [
+    ("batch=2,expert=4", 1, 4),
+    pytest.param("batch=2,expert=4", 2, 4, marks=pytest.mark.slow),
+    pytest.param("batch=8", 1, 4, marks=pytest.mark.slow),           # experts over batch
+    pytest.param("batch=8", 2, 4, marks=pytest.mark.slow),
+    pytest.param("batch=2,expert=2,model=2", 2, 4, marks=pytest.mark.slow),
+    # 2 groups of 8 a sequence, cut by the 4 devices of expert: gathered before routing
+    pytest.param("batch=2,expert=4", 1, 8, marks=pytest.mark.slow),
 ])
-def test_the_moe_lm_trains_like_one_device(spec, top_k):
+def test_the_moe_lm_trains_like_one_device(spec, top_k, group):
     """10 steps of the MoE LM (8 experts, groups of 4 positions, capacity factor 1.0, so tokens
     are dropped) with dropout 0.1: batch=1's losses at 1e-5, and the same routing: the same
     fraction of choices dropped and the same expert loads."""
-    model, _, losses = _run(spec, top_k)
-    want, stats = _one_device(top_k)
+    model, _, losses = _run(spec, top_k, group=group)
+    want, stats = _one_device(top_k, group)
     np.testing.assert_allclose(losses, want, rtol=1e-5)
     got = experts.routing_stats(model)
     assert got == pytest.approx(stats, rel=1e-6)
@@ -181,3 +183,39 @@ def test_a_group_size_that_does_not_divide_the_sequence_is_named():
     layer = experts.MixtureOfExperts(4, 8, group_size=5, name="moe")
     with pytest.raises(ValueError, match="group_size 5 does not divide the sequence length 16"):
         layer(tf.zeros([1, 16, 4]))
+
+
+def _trainer(spec, ckpt, factory=None, **config):
+    mesh = dtk.build_mesh(spec)
+    return dtk.Trainer(mesh=mesh, model=factory or _factory(2), layout=_table(spec),
+                       optimizer=tf_keras.optimizers.Adam(3e-3, mesh=mesh),
+                       loss="sparse_categorical_crossentropy",
+                       config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=1,
+                                                checkpoint_dir=ckpt, **config))
+
+
+def _fit(trainer, epochs):
+    x, y = _data()
+    seq = "expert" if "expert" in trainer.mesh.dim_names else None
+    data = dtk.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices((x[:4].reshape(-1, SEQ), y[:4].reshape(-1, SEQ))),
+        trainer.mesh, dtk.InputConfig(global_batch_size=B, sequence_axis=seq))
+    return trainer.fit(data, epochs=epochs).history["loss"]
+
+
+@pytest.mark.slow
+def test_a_resume_onto_another_expert_mesh_continues_like_one_device(tmp_path):
+    """Epoch 1 on batch=2,expert=4 (experts over expert), resumed for epoch 2 on batch=8
+    (experts over batch, another table): batch=1's losses (1e-5), top-2 with dropout. A resume
+    with another number of experts is refused, naming the setting."""
+    want = _fit(_trainer("batch=1", None), 2)
+    ckpt = str(tmp_path / "ckpt")
+    first = _fit(_trainer("batch=2,expert=4", ckpt), 1)
+    resumed = _fit(_trainer("batch=8", ckpt, allow_change=("mesh",)), 2)  # epoch 1 restored
+    np.testing.assert_allclose(first, want[:1], rtol=1e-5)
+    np.testing.assert_allclose(resumed, want, rtol=1e-5)
+    more = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
+                             layers=2, dropout=0.1, moe_experts=16, moe_top_k=2,
+                             moe_group_size=4, moe_capacity_factor=1.0)
+    with pytest.raises(ValueError, match="num_experts 8 -> 16"):
+        _fit(_trainer("batch=8", ckpt, factory=more, allow_change=("mesh",)), 3)

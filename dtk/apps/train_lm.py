@@ -44,6 +44,17 @@ flags.DEFINE_enum("sequence_attention", None, ["auto", "all_gather", "all_to_all
                   "timed); default: the layout table's (transformer_lm: auto).")
 flags.DEFINE_integer("block_size", None, "Keys per block of blockwise attention (divides "
                      "--seq_len); default 256, or the largest divisor of --seq_len below it.")
+flags.DEFINE_integer("moe_experts", 0, "Mixture of experts: E experts replace the MLP of every "
+                     "--moe_every-th block (0: dense); lay them out with --layout "
+                     "transformer_lm_moe (an expert mesh axis) or transformer_lm_moe_batch.")
+flags.DEFINE_integer("moe_top_k", 1, "Experts per token: 1 (Switch) or 2 (GShard).")
+flags.DEFINE_float("moe_capacity_factor", 1.25, "Slots per expert as a multiple of an even share "
+                   "of a routing group's choices; a token past them is dropped (counted) and "
+                   "carried by the residual.")
+flags.DEFINE_integer("moe_every", 1, "An MoE block every this many blocks (2: blocks 1, 3, ...).")
+flags.DEFINE_integer("moe_group_size", 32, "Consecutive positions of one sequence routed together "
+                     "(the capacity is per group, the same on every mesh); must divide --seq_len "
+                     "(the default 32: where it does not, the whole sequence is one group).")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
@@ -78,11 +89,80 @@ def _check_flags():
     if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
         raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
+    _check_moe_flags()
     if FLAGS.sample_bytes and not FLAGS.prompt:
         raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
     if FLAGS.sample_bytes and len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
         raise UsageError(f"--prompt is {len(FLAGS.prompt.encode())} bytes; keep it shorter than "
                     f"--seq_len {FLAGS.seq_len}")
+
+
+MOE_FLAGS = ("moe_top_k", "moe_capacity_factor", "moe_every", "moe_group_size")
+
+
+def _check_moe_flags():
+    if FLAGS.moe_experts < 0:
+        raise UsageError(f"--moe_experts must be >= 0 (0: a dense LM); got {FLAGS.moe_experts}")
+    if not FLAGS.moe_experts:
+        given = [f"--{name}" for name in MOE_FLAGS if FLAGS[name].present]
+        if given:
+            raise UsageError(f"{', '.join(given)} set(s) the mixture of experts, but "
+                             "--moe_experts is 0 (a dense LM); add --moe_experts E, or drop "
+                             f"{', '.join(given)}")
+        return
+    from dtk.parallel import experts  # pylint: disable=g-import-not-at-top
+    try:
+        experts.check_settings(num_experts=FLAGS.moe_experts, top_k=FLAGS.moe_top_k,
+                               capacity_factor=FLAGS.moe_capacity_factor, flag="--moe_")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if FLAGS.moe_every < 1:
+        raise UsageError(f"--moe_every must be a positive integer; got {FLAGS.moe_every}")
+    if FLAGS.moe_every > FLAGS.layers:
+        raise UsageError(f"--moe_every {FLAGS.moe_every} is more than --layers {FLAGS.layers}: "
+                         "no block would hold experts; use --moe_every 1 to "
+                         f"{FLAGS.layers}")
+    if FLAGS.moe_group_size < 1:
+        raise UsageError(f"--moe_group_size must be a positive integer; got "
+                         f"{FLAGS.moe_group_size}")
+    if FLAGS["moe_group_size"].present and FLAGS.seq_len % FLAGS.moe_group_size:
+        raise UsageError(f"--moe_group_size {FLAGS.moe_group_size} does not divide --seq_len "
+                         f"{FLAGS.seq_len}: a routing group is consecutive positions of one "
+                         "sequence; use a divisor of --seq_len")
+
+
+def _moe_group_size() -> int | None:
+    """``--moe_group_size`` where it divides ``--seq_len``, else None (the whole sequence)."""
+    group = FLAGS.moe_group_size
+    return group if FLAGS.seq_len % group == 0 and group < FLAGS.seq_len else None
+
+
+def _check_moe_mesh(mesh, table) -> None:
+    """An expert axis needs experts; experts need a table with their rules, and a count the axis
+    divides."""
+    has_rules = any("_moe" in rule.pattern for rule in table.rules)
+    sizes = {name: mesh.dim_size(name) for name in mesh.dim_names}
+    if not FLAGS.moe_experts:
+        if sizes.get("expert", 1) > 1:
+            raise UsageError(
+                f"--mesh {FLAGS.mesh}: mesh axis 'expert' (size {sizes['expert']}) shards the "
+                "experts of a mixture-of-experts LM, but --moe_experts is 0; add --moe_experts E "
+                "(a multiple of it), or drop 'expert' from --mesh")
+        return
+    if not has_rules:
+        raise UsageError(
+            f"--moe_experts {FLAGS.moe_experts} with --layout {FLAGS.layout}: the table has no "
+            "rules for the experts (block{i}_moe.*); use --layout transformer_lm_moe (experts "
+            "over an expert axis) or transformer_lm_moe_batch (experts over batch)")
+    axes = {axis for rule in table.rules if "_moe" in rule.pattern for axis in rule.dims
+            if axis in ("expert", "batch") and rule.dims and rule.dims[0] == axis}
+    for axis in sorted(axes):
+        size = sizes.get(axis, 1)
+        if FLAGS.moe_experts % size:
+            raise UsageError(
+                f"--moe_experts {FLAGS.moe_experts} is not divisible by mesh axis {axis!r} "
+                f"(size {size}), over which --layout {FLAGS.layout} shards the experts; use a "
+                f"multiple of {size} (e.g. {size * max(1, FLAGS.moe_experts // size)})")
 
 
 def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature: float,
@@ -128,7 +208,10 @@ def _setup():
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=FLAGS.seq_len,
                                 dim=FLAGS.dim, heads=FLAGS.heads, layers=FLAGS.layers,
                                 dropout=FLAGS.dropout, attention=FLAGS.attention,
-                                block_size=FLAGS.block_size)
+                                block_size=FLAGS.block_size, moe_experts=FLAGS.moe_experts,
+                                moe_top_k=FLAGS.moe_top_k,
+                                moe_capacity_factor=FLAGS.moe_capacity_factor,
+                                moe_every=FLAGS.moe_every, moe_group_size=_moe_group_size())
     auto_plan = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
         try:
@@ -145,6 +228,7 @@ def _setup():
             return None, None, table, factory, None, None, auto_plan
         cli.apply_plan(FLAGS, auto_plan)
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
+    _check_moe_mesh(mesh, table)
     if FLAGS.sequence_attention:
         table = dataclasses.replace(table, sequence_attention=FLAGS.sequence_attention)
     try:
@@ -175,7 +259,7 @@ def run() -> dict:
     import dtk  # pylint: disable=g-import-not-at-top
     import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
-    from dtk.parallel import layouts, sequence  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import experts, layouts, sequence  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
     from dtk.data import text  # pylint: disable=g-import-not-at-top
     spec, mesh, table, factory, plan, memory, auto_plan = _setup()
@@ -233,7 +317,14 @@ def run() -> dict:
                                                 ("model.*:MultiHeadAttention.dropout",
                                                  "dropout"),
                                                 ("model.*:BlockwiseAttention.dropout",
-                                                 "dropout")),
+                                                 "dropout"),
+                                                ("model.*:MixtureOfExperts.num_experts",
+                                                 "moe_experts"),
+                                                ("model.*:MixtureOfExperts.top_k", "moe_top_k"),
+                                                ("model.*:MixtureOfExperts.capacity_factor",
+                                                 "moe_capacity_factor"),
+                                                ("model.*:MixtureOfExperts.group_size",
+                                                 "moe_group_size")),
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0,
@@ -251,10 +342,17 @@ def run() -> dict:
     def report(epoch, logs):
         now = time.perf_counter()
         bpb = text.bits_per_byte(logs["val_loss"])
-        curve.append({"step": trainer.global_step, "heldout_bits_per_byte": bpb})
+        routing = experts.routing_stats(trainer.model)  # this interval's training steps
+        experts.reset_routing_stats(trainer.model)
+        curve.append({"step": trainer.global_step, "heldout_bits_per_byte": bpb, **routing})
         say(f"step {trainer.global_step}: train loss {logs['loss']:.4f}, held-out "
             f"{bpb:.3f} bits/byte (unigram {unigram:.3f}), "
             f"{tokens_per_epoch / (now - clock['t']):,.0f} tokens/s", flush=True)
+        if routing:
+            say(f"  experts: {routing['moe_dropped']:.1%} of the tokens' choices dropped "
+                f"(capacity factor {FLAGS.moe_capacity_factor}); load per expert, as a multiple "
+                f"of an even share: min {routing['moe_load_min']:.2f}, max "
+                f"{routing['moe_load_max']:.2f}, mean {routing['moe_load_mean']:.2f}", flush=True)
         clock["t"] = now
 
     epochs = -(-FLAGS.steps // FLAGS.eval_every)
@@ -279,6 +377,9 @@ def run() -> dict:
         "auto_plan": cli.plan_summary(auto_plan),
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
         "heads": FLAGS.heads, "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
+        "moe": {"experts": FLAGS.moe_experts, "top_k": FLAGS.moe_top_k,
+                "capacity_factor": FLAGS.moe_capacity_factor, "every": FLAGS.moe_every,
+                "group_size": _moe_group_size()} if FLAGS.moe_experts else None,
         "train_loss": history.history.get("loss", []),
         "heldout_curve": curve, "heldout_bits_per_byte": heldout_bpb,
         "unigram_bits_per_byte": unigram,

@@ -126,6 +126,9 @@ class MixtureOfExperts(tf_keras.layers.Layer):
         group = self._group(length)
         chunks = length // group
         cap = self.capacity(group)
+        layout = getattr(self, "_dtk_input_layout", None)
+        if layout is not None:  # groups that the sequence axis would cut: gathered first
+            x = dtensor.relayout(x, layout)
         xg = tf.reshape(x, [-1 if batch is None else batch, chunks, group, dim])
         logits = tf.einsum("bcgd,de->bcge", tf.cast(xg, tf.float32), self.router)
         probs = tf.nn.softmax(logits, axis=-1)
@@ -171,7 +174,12 @@ class MixtureOfExperts(tf_keras.layers.Layer):
             tokens = tf.cast(tf.size(gates[0]), tf.float32)
             self.tokens.assign_add(tokens)
             self.dropped.assign_add(tokens * k - tf.reduce_sum(kept_any))
-            self.load.assign_add(tf.reduce_sum(dispatch, axis=[0, 1, 2, 4]))
+            load = tf.reduce_sum(dispatch, axis=[0, 1, 2, 4])
+            token_layout = getattr(self, "_dtk_token_layout", None)
+            if token_layout is not None:  # the variable's (replicated) layout, whatever the
+                load = dtensor.relayout(  # layout propagation gave the sum
+                    load, dtensor.Layout.replicated(token_layout.mesh, 1))
+            self.load.assign_add(load)
         return tf.reshape(y, tf.shape(x))
 
     def _to_experts(self, t):
@@ -201,9 +209,9 @@ def check_settings(*, num_experts: Any, top_k: Any, capacity_factor: Any,
     if top_k not in (1, 2) or isinstance(top_k, bool):
         raise ValueError(f"{name('top_k')} must be 1 (Switch) or 2 (GShard); got {top_k!r}")
     if top_k > num_experts:
-        raise ValueError(f"{name('top_k')}={top_k} is more than the {num_experts} expert(s): each "
-                         f"token picks {top_k} different experts; use {name('top_k')}=1 or more "
-                         "experts")
+        given = f"{name('top_k')} {top_k}" if flag else f"top_k={top_k}"
+        raise ValueError(f"{given} is more than the {num_experts} expert(s): each token picks "
+                         f"{top_k} different experts; use {name('top_k')} 1, or more experts")
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
             not capacity_factor > 0:
         raise ValueError(f"{name('capacity_factor')} must be > 0 (slots per expert as a multiple "
@@ -234,7 +242,16 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
         expert_axis = None if specs[0] == dtensor.UNSHARDED else specs[0]
         names = mesh.dim_names
         token_batch = batch_axis if batch_axis in names else dtensor.UNSHARDED
-        chunks = sequence_axis if sequence_axis in names else dtensor.UNSHARDED
+        length = int(layer.input_shape[1])
+        count = length // layer._group(length)  # pylint: disable=protected-access
+        # The chunks of the sequence stay where the sequence axis put them when it divides their
+        # count (else they are gathered: the same numbers, without the all-to-all's saving).
+        chunks = sequence_axis if sequence_axis in names and \
+            count % mesh.dim_size(sequence_axis) == 0 else dtensor.UNSHARDED
+        layer._dtk_input_layout = None  # pylint: disable=protected-access
+        if sequence_axis in names and chunks == dtensor.UNSHARDED:  # whole groups a device
+            layer._dtk_input_layout = dtensor.Layout(  # pylint: disable=protected-access
+                [token_batch, dtensor.UNSHARDED, dtensor.UNSHARDED], mesh)
         layer._dtk_token_layout = dtensor.Layout(  # pylint: disable=protected-access
             [dtensor.UNSHARDED, token_batch, chunks, dtensor.UNSHARDED, dtensor.UNSHARDED], mesh)
         if expert_axis is None:
@@ -252,8 +269,8 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
             mesh)
         lines.append(f"experts: {layer.name}: {layer.num_experts} experts over mesh axis "
                      f"{expert_axis!r} ({layer.num_experts // size} a device), top-{layer.top_k}, "
-                     f"capacity {layer.capacity(layer.group_size or int(layer.input_shape[1]))} "
-                     "a group; tokens move by an all-to-all")
+                     f"capacity {layer.capacity(layer._group(length))} a group of "  # pylint: disable=protected-access
+                     f"{layer._group(length)} positions; tokens move by an all-to-all")
     return lines
 
 
@@ -264,11 +281,13 @@ def routing_stats(model: tf_keras.Model) -> dict[str, float]:
     layers = moe_layers(model)
     if not layers:
         return {}
-    from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
-
-    def global_value(variable):  # a laid-out model's (sharded or not) or a plain one's
+    def global_value(variable):  # a laid-out model's (replicated counts) or a plain one's
         value = variable.read_value()
-        return checkpoint.global_value(value) if dtensor.is_dtensor(value) else value.numpy()
+        if not dtensor.is_dtensor(value):
+            return value.numpy()
+        mesh = dtensor.fetch_layout(value).mesh
+        whole = dtensor.relayout(value, dtensor.Layout.replicated(mesh, value.shape.rank))
+        return dtensor.unpack(whole)[0].numpy()
 
     tokens = sum(float(global_value(layer.tokens)) * layer.top_k for layer in layers)
     if not tokens:

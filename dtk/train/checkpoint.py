@@ -593,14 +593,20 @@ def _wait_posted(key: str, timeout_s: float = 600.0) -> None:
     ctx.delete_config_key_value(f"dtk/save/{key}")
 
 
+def state_of(path: str) -> dict[str, Any] | None:
+    """The loop state checkpoint ``path`` recorded (its settings, epoch, history), read without
+    restoring anything; None where unreadable."""
+    try:
+        raw = tf.train.load_checkpoint(path).get_tensor("loop/.ATTRIBUTES/py_state")
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    except Exception:  # pylint: disable=broad-except  (any unreadable checkpoint)
+        return None
+
+
 def run_id_of(path: str) -> str | None:
     """The id of the run that wrote checkpoint ``path`` (None: unreadable, or written before
     dtk recorded it)."""
-    try:
-        raw = tf.train.load_checkpoint(path).get_tensor("loop/.ATTRIBUTES/py_state")
-        return json.loads(raw.decode() if isinstance(raw, bytes) else raw).get("run_id")
-    except Exception:  # pylint: disable=broad-except  (any unreadable checkpoint)
-        return None
+    return (state_of(path) or {}).get("run_id")
 
 
 def _clear_async_error() -> None:

@@ -639,7 +639,17 @@ class Trainer:
                              self._checkpointer.directory)
                 self._checkpointer.clear()
             return 0, 0
-        state = self._checkpointer.restore()
+        try:
+            state = self._checkpointer.restore()
+        except ValueError as e:
+            # Another architecture: where a setting that shapes the model changed (the number
+            # of experts, the width), name the setting rather than the weights' shapes.
+            candidates = self._checkpointer.candidates()
+            recorded = ckpt_lib.state_of(candidates[0]) if candidates else None
+            if "does not match this model" not in str(e) or not recorded:
+                raise
+            self._check_settings(recorded.get("settings"))
+            raise
         if state is None:
             return 0, 0
         self._check_settings(state.get("settings"))
