@@ -646,10 +646,17 @@ class Trainer:
             # of experts, the width), name the setting rather than the weights' shapes.
             candidates = self._checkpointer.candidates()
             recorded = ckpt_lib.state_of(candidates[0]) if candidates else None
-            if "does not match this model" not in str(e) or not recorded:
+            if "does not match this model" not in str(e) or not (recorded or {}).get("settings"):
                 raise
-            self._check_settings(recorded.get("settings"))
-            raise
+            diff = resume_lib.changes(self._named(recorded["settings"]), self._settings)
+            model_keys = {k: v for k, v in diff.items() if k.startswith("model")}
+            if not model_keys:
+                raise
+            raise ValueError(
+                f"{first_line(e).split('. ')[0].split(': it holds')[0]}: the model's settings "
+                f"changed ({resume_lib.describe(model_keys)}), which changes its weights; "
+                "resume with the settings the checkpoint was written with, or use a new "
+                "checkpoint directory") from e
         if state is None:
             return 0, 0
         self._check_settings(state.get("settings"))
