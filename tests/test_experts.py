@@ -21,7 +21,7 @@ SEQ, B, N = 16, 8, 10
 
 def _factory(top_k, group=4, **kwargs):
     return functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
-                             layers=2, dropout=0.1, moe_experts=8, moe_top_k=top_k,
+                             layers=1, dropout=0.1, moe_experts=8, moe_top_k=top_k,
                              moe_group_size=group, moe_capacity_factor=1.0, **kwargs)
 
 
@@ -109,7 +109,7 @@ def test_the_tokens_reach_their_experts_by_an_all_to_all():
     x, y = _data()
     found = {}
     dense = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
-                              layers=2)
+                              layers=1)
     for name, spec, factory, table in (
             ("moe", "batch=2,expert=4", _factory(1), "transformer_lm_moe"),
             ("dense", "batch=2,seq=4", dense, "transformer_lm")):  # the same tokens' split
@@ -215,7 +215,7 @@ def test_a_resume_onto_another_expert_mesh_continues_like_one_device(tmp_path):
     np.testing.assert_allclose(first, want[:1], rtol=1e-5)
     np.testing.assert_allclose(resumed, want, rtol=1e-5)
     more = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
-                             layers=2, dropout=0.1, moe_experts=16, moe_top_k=2,
+                             layers=1, dropout=0.1, moe_experts=16, moe_top_k=2,
                              moe_group_size=4, moe_capacity_factor=1.0)
     with pytest.raises(ValueError, match="num_experts 8 -> 16"):
         _fit(_trainer("batch=8", ckpt, factory=more, allow_change=("mesh",)), 3)
