@@ -219,3 +219,13 @@ def test_a_resume_onto_another_expert_mesh_continues_like_one_device(tmp_path):
                              moe_group_size=4, moe_capacity_factor=1.0)
     with pytest.raises(ValueError, match="num_experts 8 -> 16"):
         _fit(_trainer("batch=8", ckpt, factory=more, allow_change=("mesh",)), 3)
+
+
+def test_experts_over_batch_with_the_sequence_sharded_are_refused_with_the_way_out():
+    """Experts over batch (transformer_lm_moe_batch) on batch=4,model=2, where Megatron's
+    sequence parallelism shards the sequence over model: DTensor fails to lower the relayouts
+    (measured), so the build refuses it, naming the axes and the table that works."""
+    with pytest.raises(ValueError, match=r"experts sharded over the batch axis 'batch' with the "
+                                         r"sequence sharded over 'model'.*transformer_lm_moe"):
+        layouts.build_model(_factory(1), dtk.build_mesh("batch=4,model=2"),
+                            "transformer_lm_moe_batch", seed=0)

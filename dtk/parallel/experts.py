@@ -248,6 +248,16 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
         # count (else they are gathered: the same numbers, without the all-to-all's saving).
         chunks = sequence_axis if sequence_axis in names and \
             count % mesh.dim_size(sequence_axis) == 0 else dtensor.UNSHARDED
+        if specs[0] == batch_axis and sequence_axis in names:
+            # Measured: DTensor fails to lower the relayouts of tokens sharded along the sequence
+            # (Megatron's, over model) to experts over batch, gathered first or not.
+            raise ValueError(
+                f"layer {layer.name!r}: experts sharded over the batch axis {batch_axis!r} with "
+                f"the sequence sharded over {sequence_axis!r} (size "
+                f"{mesh.dim_size(sequence_axis)}) fail inside DTensor; put the experts on an "
+                "expert axis (layout table transformer_lm_moe, e.g. --mesh "
+                "batch=2,expert=2,model=2), or use a mesh without "
+                f"{sequence_axis!r}")
         layer._dtk_input_layout = None  # pylint: disable=protected-access
         if sequence_axis in names and chunks == dtensor.UNSHARDED:  # whole groups a device
             layer._dtk_input_layout = dtensor.Layout(  # pylint: disable=protected-access
