@@ -755,3 +755,9 @@ def test_the_trainer_normalizes_sample_weights_as_keras_does():
     _close_weights(plain, trainer.model)
     assert predicted.shape == (40, 1)
     np.testing.assert_allclose(predicted, plain.predict(x[:40], verbose=0), rtol=RTOL, atol=1e-6)
+
+
+def test_the_sharded_update_with_fsdp_is_refused_not_ignored():
+    """FSDP already stores the optimizer state sharded: asking for both is refused by name."""
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True with fsdp=True.*drop one"):
+        dtk.distribute(_mlp, dtk.build_mesh("batch=8"), fsdp=True, shard_optimizer_state=True)

@@ -113,6 +113,11 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     if shard_optimizer_state not in (True, False, "auto"):
         raise ValueError(f"shard_optimizer_state must be True, False or 'auto'; got "
                          f"{shard_optimizer_state!r}")
+    if shard_optimizer_state is True and fsdp:
+        raise ValueError("shard_optimizer_state=True with fsdp=True: FSDP stores the weights and "
+                         "their optimizer state sharded over the batch axis already, so there is "
+                         "no replicated update to shard; drop one (shard_optimizer_state='auto' "
+                         "is off under fsdp)")
     if isinstance(remat, str):
         raise ValueError(f"remat must be a list of layer-name patterns, e.g. [{remat!r}]; got the "
                          f"string {remat!r} (a string would be read letter by letter)")
@@ -126,7 +131,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     if shard_optimizer_state == "auto":
         shard_optimizer_state = not fsdp and auto_shard_optimizer_state(
             model.trainable_variables, mesh, batch_axis)
-    if shard_optimizer_state and not fsdp:
+    if shard_optimizer_state:
         model._dtk_mesh_state.sharded = _ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
     if gradient_accumulation_steps > 1:
         if type(model).train_step is not tf_keras.Model.train_step:
@@ -404,8 +409,7 @@ def _maker(step_name: str, attr: str) -> Callable:
         logs_layouts = []
 
         def many_body(stack):
-            n = int(tf.nest.flatten([t for t in tf.nest.flatten(stack) if t is not None])[0]
-                    .shape[0])
+            n = int(next(t for t in tf.nest.flatten(stack) if t is not None).shape[0])
             structure, layouts_ = logs_layouts[0]
             zeros = tf.nest.pack_sequence_as(structure, [
                 dtensor.call_with_layout(tf.zeros, layout, shape=shape, dtype=dtype)
@@ -656,7 +660,7 @@ def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
       axis (see ``_ShardedUpdate``).
     * An FSDP weight is updated where it is stored (its shards).
     """
-    if getattr(optimizer, "_dtk_dense", False):
+    if getattr(optimizer, "_dtk_mesh_updates", False):
         return
     apply = optimizer.apply_gradients
     build = optimizer.build
@@ -701,7 +705,7 @@ def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
     optimizer.apply_gradients = apply_gradients
     optimizer.build = build_
     optimizer.finalize_variable_values = finalize_variable_values
-    optimizer._dtk_dense = True  # pylint: disable=protected-access
+    optimizer._dtk_mesh_updates = True  # pylint: disable=protected-access
 
 
 def _storage(variable: tf.Variable) -> tf.Variable:
