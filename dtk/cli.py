@@ -349,7 +349,10 @@ def plan_summary(plan) -> dict[str, Any] | None:
     if plan is None:
         return None
     return {"chosen": plan.chosen.label, "predicted_ms_per_step": plan.chosen.predicted_ms,
-            "bytes_per_device": plan.chosen.memory}
+            "bytes_per_device": plan.chosen.memory,
+            **({"experts_bytes_per_device": plan.chosen.experts_bytes,
+                "all_to_all_bytes_per_step": plan.chosen.all_to_all_bytes}
+               if plan.chosen.experts_bytes else {})}
 
 
 # -- output paths ---------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ variants ``rows8``, ``rows8_sparse``: rows over all 8 devices, dense or sparse u
 ``rows_model``, ``rows_model_sparse``: rows over ``model`` on ``batch=4,model=2``), e.g.
 ``python scripts/bench_memory.py --workload recsys --table_sizes 8388608,4096,256,16``.
 
+``--workload moe`` runs the mixture-of-experts LM (``--moe_experts`` experts in every block,
+issue 60), variants ``moe_replicated`` (``batch=8``, the experts on every device, the state
+unsharded), ``moe_zero`` (``batch=8``, the sharded update), ``moe_expert2``, ``moe_expert4``,
+``moe_expert8`` (``batch=8/n,expert=n``: the experts and their state divided by the expert
+axis), ``moe_over_batch`` (``batch=8``, the experts over batch), e.g.
+``python scripts/bench_memory.py --workload moe --dim 512 --layers 2``.
+
 Variants (``--variants``, comma-separated):
 
 * ``tp``: ``--mesh batch=1,model=8`` (Megatron table over all 8 devices)
@@ -68,6 +75,20 @@ RECSYS_VARIANTS = {
     "rows_model": ["--mesh", "batch=4,model=2", "--layout", "recsys"],
     "rows_model_sparse": ["--mesh", "batch=4,model=2", "--layout", "recsys", "--sparse_tables"],
 }
+# issue 60: the mixture-of-experts LM (--workload moe): the experts replicated, or divided over
+# an expert axis, or over batch.
+MOE_VARIANTS = {
+    "moe_replicated": ["--mesh", "batch=8", "--layout", "transformer_lm_moe",
+                       "--noshard_optimizer_state"],
+    "moe_zero": ["--mesh", "batch=8", "--layout", "transformer_lm_moe", "--shard_optimizer_state"],
+    "moe_expert2": ["--mesh", "batch=4,expert=2", "--layout", "transformer_lm_moe",
+                    "--noshard_optimizer_state"],
+    "moe_expert4": ["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe",
+                    "--noshard_optimizer_state"],
+    "moe_expert8": ["--mesh", "batch=1,expert=8", "--layout", "transformer_lm_moe"],
+    "moe_over_batch": ["--mesh", "batch=8", "--layout", "transformer_lm_moe_batch",
+                       "--noshard_optimizer_state"],
+}
 # Run inside each client: the script, then its peak RSS on the way out (atexit runs even when
 # dtk ends the process early, see dtk.cluster.env.exit_process).
 SHIM = ("import atexit, resource, runpy, sys; "
@@ -96,23 +117,35 @@ args, variants = json.loads(sys.argv[1])
 out = {{}}
 for name, flags in variants.items():
     get = lambda n, d=None: flags[flags.index(n) + 1] if n in flags else d
+    moe = {{"moe_experts": args["moe_experts"], "moe_group_size": args["moe_group_size"]}} \
+        if args["workload"] == "moe" else {{}}
     factory = functools.partial(models.transformer_lm, vocab=text.VOCAB, seq_len=args["seq_len"],
                                 dim=args["dim"], heads=args["heads"], layers=args["layers"],
-                                attention=get("--attention", "mha"), block_size=args["block_size"])
+                                attention=get("--attention", "mha"), block_size=args["block_size"],
+                                **moe)
     profile = planner.profile_model(factory, (args["seq_len"],), input_dtype="int32")
     sizes = dict(kv.split("=") for kv in get("--mesh").split(","))
     sizes = {{k: int(v) for k, v in sizes.items()}}
-    table = layouts.load_table("transformer_lm")
+    table = layouts.load_table(get("--layout", "transformer_lm"))
     fsdp = "--fsdp" in flags
     plan = layouts.plan_weights(table, planner._Axes(sizes), profile.weights,
                                 fsdp_paths=[p for p, _, _ in profile.weights] if fsdp else ())
-    update = "fsdp" if fsdp else ("zero" if "--shard_optimizer_state" in flags else "replicated")
+    zero = "--shard_optimizer_state" in flags or (
+        "--noshard_optimizer_state" not in flags and sizes["batch"] > 1)  # the default: auto
+    update = "fsdp" if fsdp else ("zero" if zero else "replicated")
     remat = models.MODEL_SPECS["lm"].remat if "--remat" in flags else ()
     out[name] = planner.candidate_memory(profile, plan, update=update, remat=remat,
                                          rows_per_device=args["global_batch_size"] // sizes["batch"])
+    experts = {{p for _, _, _, paths in profile.experts for p in paths}}
+    if experts:  # the experts' own share of weights + optimizer state
+        import dataclasses
+        out[name]["experts"] = layouts.memory_per_device(
+            dataclasses.replace(plan, weights=tuple(w for w in plan.weights if w.path in experts)),
+            optimizer_slots=2, shard_optimizer_state=update == "zero")["total"]
 print("DTK_PLANNED", json.dumps(out))
 """
-    variants = {name: VARIANTS[name] for name in names}
+    variants = {name: (MOE_VARIANTS if args.workload == "moe" else VARIANTS)[name]
+                for name in names}
     res = subprocess.run([sys.executable, "-c", code, json.dumps([vars(args), variants])],
                          capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
     for line in res.stdout.splitlines():
@@ -134,7 +167,10 @@ def _script_flags(flags: list[str], args, dim: int, summary: str) -> list[str]:
             *flags, "--dim", str(dim), "--layers", str(args.layers),
             "--seq_len", str(args.seq_len), "--global_batch_size", str(args.global_batch_size),
             "--heads", str(args.heads),
-            *(["--block_size", str(args.block_size)] if args.block_size else []), "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
+            *(["--block_size", str(args.block_size)] if args.block_size else []),
+            *(["--moe_experts", str(args.moe_experts), "--moe_group_size",
+               str(args.moe_group_size)] if args.workload == "moe" else []),
+            "--steps", str(args.steps), "--eval_every", str(args.steps), "--eval_batches", "1",
             "--sample_bytes", "0", "--summary_json", summary]
 
 
@@ -173,8 +209,10 @@ def table(rows: list[dict], baseline: dict | None) -> str:
     FSDP's gathered weights + activations, the planner's estimate), per client, the measured peak
     RSS per client, its excess over the baseline, and that excess over the plan."""
     base = max(baseline["peak_rss_per_client"]) if baseline and "error" not in baseline else 0
+    moe = any("experts" in row.get("planned_per_device", {}) for row in rows)
     lines = ["variant                 planned/device MiB (w+opt, grads, gathered, activations)"
-             "  planned/client  peak RSS/client  over baseline  over/planned  ms/step"]
+             "  planned/client  peak RSS/client  over baseline  over/planned  ms/step"
+             + ("  experts w+opt/device" if moe else "")]
     for row in rows:
         if "error" in row:
             lines.append(f"{row['variant']:<23} {row['error']}")
@@ -188,7 +226,8 @@ def table(rows: list[dict], baseline: dict | None) -> str:
             f"{row['variant']:<23} {_mib(p.get('weights', 0) + p.get('optimizer', 0))}, "
             f"{_mib(p.get('gradients', 0))}, {_mib(p.get('gathered', p.get('gathered_in_step', 0)))}"
             f", {_mib(p.get('activations', 0))}          {_mib(planned)}        {_mib(peak)}"
-            f"       {_mib(peak - base) if base else '       -'}     {ratio}  {ms}")
+            f"       {_mib(peak - base) if base else '       -'}     {ratio}  {ms}"
+            + (f"  {_mib(p['experts'])}" if "experts" in p else ""))
     return "\n".join(lines)
 
 
@@ -217,8 +256,12 @@ def main() -> int:
                         "(default --seq_len; long contexts: a short one, the fixed cost)")
     parser.add_argument("--variants", help="comma-separated (default: every variant of the "
                         "workload)")
-    parser.add_argument("--workload", choices=("lm", "recsys"), default="lm",
-                        help="lm: scripts/train_lm.py; recsys: scripts/train_recsys.py")
+    parser.add_argument("--workload", choices=("lm", "recsys", "moe"), default="lm",
+                        help="lm: scripts/train_lm.py; recsys: scripts/train_recsys.py; moe: "
+                        "train_lm.py --moe_experts")
+    parser.add_argument("--moe_experts", type=int, default=8, help="moe: experts per block")
+    parser.add_argument("--moe_group_size", type=int, default=32,
+                        help="moe: positions routed together (train_lm.py's --moe_group_size)")
     parser.add_argument("--table_sizes", default="8388608,4096,256,16",
                         help="recsys: the tables' rows")
     parser.add_argument("--baseline_table_sizes", default="1024,256,64,16",
@@ -229,19 +272,22 @@ def main() -> int:
     args = parser.parse_args()
     if args.workload == "recsys":
         return _recsys(args)
-    names = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    variants = MOE_VARIANTS if args.workload == "moe" else VARIANTS
+    if args.workload == "moe" and args.baseline_variant == "tp":
+        args.baseline_variant = "moe_expert8"
+    names = [v for v in (args.variants or ",".join(variants)).split(",") if v]
+    unknown = [v for v in names if v not in variants]
     if unknown:
-        print(f"error: unknown variants {unknown}; choose from {list(VARIANTS)}", file=sys.stderr)
+        print(f"error: unknown variants {unknown}; choose from {list(variants)}", file=sys.stderr)
         return 2
     planned = planned_memory(args, names)
     seq_len = args.seq_len
     args.seq_len = args.baseline_seq_len or seq_len
-    baseline = run_variant(args.baseline_variant, VARIANTS[args.baseline_variant], args,
+    baseline = run_variant(args.baseline_variant, variants[args.baseline_variant], args,
                            args.baseline_dim, args.timeout)
     args.seq_len = seq_len
     baseline["variant"] = f"baseline (dim {args.baseline_dim}, {args.baseline_variant})"
-    return _measure(args, VARIANTS, names, baseline, args.dim, planned)
+    return _measure(args, variants, names, baseline, args.dim, planned)
 
 
 def _measure(args, variants: dict, names: list[str], baseline: dict, dim: int,

@@ -5,6 +5,9 @@ mesh, with dropout, for top-1 and top-2 routing."""
 import dataclasses
 import functools
 import glob
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import dtk
 from dtk import models
 from dtk.data import input as input_lib
 from dtk.parallel import experts, layouts
+from tests import procs
 
 SEQ, B, N = 16, 8, 10
 
@@ -79,6 +83,26 @@ def test_the_moe_lm_trains_like_one_device(spec, top_k, group):
     w1 = model.get_layer("block0_moe").w1
     axis = "expert" if "expert" in spec else "batch"
     assert tf.experimental.dtensor.fetch_layout(w1).sharding_specs[0] == axis
+
+
+@pytest.mark.slow
+def test_two_clients_train_the_moe_lm_like_one_device(tmp_path):
+    """2 clients x 4 devices (python -m dtk.cluster.launch) on batch=2,expert=4, top-2 with
+    dropout: batch=1's losses over 10 steps at 1e-5 and the same routing. Each client packs its
+    own devices' shards; the experts of client 0's devices and client 1's trade tokens by the
+    all-to-all across the processes."""
+    out = tmp_path / "two.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
+         "--devices_per_client", "4", "--", sys.executable,
+         str(procs.REPO / "tests" / "mc_moe_client.py")],
+        capture_output=True, text=True, timeout=240, cwd=procs.REPO,
+        env=procs.base_env(MC_OUT=str(out), MC_MESH="batch=2,expert=4", MC_TOP_K="2"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    want, stats = _one_device(2)
+    np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
+    assert got["routing"] == pytest.approx(stats, rel=1e-6)
 
 
 def _collectives(function, *args):

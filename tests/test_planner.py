@@ -422,6 +422,45 @@ def test_the_planner_counts_the_sequence_sharded_over_seq():
     assert odd["batch=1,seq=8 zero"].rejected == "sequence length 12 is not divisible by seq=8"
 
 
+def test_the_planner_counts_the_experts_and_their_all_to_all():
+    """Issue 60: the experts' weights and optimizer state per device divide by the axis sharding
+    them; each MoE layer's all-to-all (4 a step: the expert inputs to their experts and back,
+    forward and backward) is counted in bytes and priced; a budget the experts do not fit on
+    batch=8 chooses an expert axis; explain_plan shows both."""
+    moe = functools.partial(models.transformer_lm, vocab=256, seq_len=16, dim=64, heads=8,
+                            layers=2, moe_experts=8, moe_top_k=2, moe_group_size=8)
+    p = _plan(moe, batch=16, lm=True, table="transformer_lm_moe")
+    by = {c.label: c for c in p.candidates}
+    profile = planner.profile_model(moe, (16,), input_dtype="int32")
+    assert [name for name, *_ in profile.experts] == ["block0_moe", "block1_moe"]
+    # one example: 16 / 8 groups x 8 experts x capacity ceil(1.25 * 2 * 8 / 8) = 3 slots of dim 64
+    assert {moved for _, moved, _, _ in profile.experts} == {2 * 8 * 3 * 64}
+    experts = [by[f"batch={8 // e},expert={e} zero"].experts_bytes for e in (2, 4, 8)]
+    assert experts[0] > experts[1] > experts[2] > 0
+    w1 = 8 * 64 * 256 * 4  # E x dim x ff float32, per layer
+    assert by["batch=8 zero"].experts_bytes > 2 * w1  # at least both layers' w1, whole
+    assert by["batch=1,expert=8 zero"].experts_bytes < 2 * w1  # w1 and its state, / 8
+    assert by["batch=8 zero"].all_to_all_bytes == 0  # experts replicated on expert=1
+    # batch=2,expert=4: 8 rows a device, the sequence split over expert (4): each of 4
+    # all-to-alls sends 3/4 of 8 x 2 x 8 x 3 x 64 x 4 / 4 bytes, for each of 2 layers
+    held = 8 * 2 * 8 * 3 * 64 * 4 / 4
+    assert by["batch=2,expert=4 zero"].all_to_all_bytes == int(2 * 4 * held * 3 / 4)
+    assert by["batch=2,expert=4 zero"].predicted_ms > by["batch=8 zero"].predicted_ms
+    text = p.explain()
+    assert "experts" in text.splitlines()[1] and "all-to-all" in text.splitlines()[1]
+    assert "divided by the axis sharding the experts" in text
+    # a budget between the experts sharded 8 ways and replicated: an expert axis is chosen
+    fits = by["batch=1,expert=8 zero"].memory["total"]
+    tight = _plan(moe, batch=16, lm=True, table="transformer_lm_moe",
+                  gb=(fits + by["batch=8 zero"].memory["total"]) / 2 / 2 ** 30)
+    assert "expert=" in tight.chosen.label, tight.chosen.label
+    # experts over batch (the other table): their all-to-all runs over batch
+    over_batch = {c.label: c for c in _plan(moe, batch=16, lm=True,
+                                            table="transformer_lm_moe_batch").candidates}
+    assert over_batch["batch=8 zero"].all_to_all_bytes > 0
+    assert over_batch["batch=8 zero"].experts_bytes < by["batch=8 zero"].experts_bytes
+
+
 def test_megatron_sequence_parallelism_on_an_indivisible_length_is_a_reason():
     """Issue 59: seq_len 33 on batch=2,model=4 was chosen, a mesh whose sequence parallelism
     (the sequence sharded over model) train_lm.py refuses; it is rejected with the reason, and

@@ -111,6 +111,18 @@ class MixtureOfExperts(tf_keras.layers.Layer):
         """Slots per expert in a group of ``group`` tokens."""
         return max(1, math.ceil(self.capacity_factor * self.top_k * group / self.num_experts))
 
+    def sizes_per_example(self, length: int, dim: int) -> dict[str, int]:
+        """Elements one example of ``length`` positions puts through the layer (for the planner):
+        ``moved``, the expert inputs one all-to-all carries (``[E, chunks, capacity, dim]``: every
+        slot, taken or not, as the dense dispatch sends it); ``live``, what the backward pass
+        keeps (the dispatched inputs, the hidden activation before and after the nonlinearity,
+        the outputs, and the dispatch and combine tensors)."""
+        group = self._group(length)
+        slots = length // group * self.num_experts * self.capacity(group)
+        dispatch = length * self.num_experts * self.capacity(group)
+        return {"moved": slots * dim,
+                "live": slots * (2 * dim + 2 * self.hidden) + 2 * dispatch}
+
     def _group(self, length: int) -> int:
         group = self.group_size or length
         if length % group:

@@ -137,6 +137,9 @@ class ModelProfile:
     # itemsize), for the gather of keys and values over a ``seq`` axis.
     sequence_length: int = 0
     attention: tuple[tuple[str, int, int], ...] = ()
+    # Each mixture-of-experts layer (dtk.parallel.experts): (name, elements per example one
+    # all-to-all moves, itemsize, its weights' paths).
+    experts: tuple[tuple[str, int, int, tuple[str, ...]], ...] = ()
 
     @property
     def signature(self) -> str:
@@ -157,6 +160,10 @@ class Candidate:
     budget: int | None
     predicted_ms: float | None
     rejected: str | None = None  # why it cannot run at all (the table, the batch)
+    # Mixture of experts: the experts' weights and optimizer state per device (part of
+    # ``memory``'s weights and optimizer), and the bytes a device sends by all-to-all a step.
+    experts_bytes: int = 0
+    all_to_all_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -253,6 +260,11 @@ def _build_dtype(dtype):
     return "float32" if isinstance(dtype, dict) else dtype
 
 
+def _experts_layer():
+    from dtk.parallel import experts  # pylint: disable=g-import-not-at-top
+    return experts.MixtureOfExperts
+
+
 def _identity_layers():
     from dtk.parallel import sequence  # pylint: disable=g-import-not-at-top
     return (sequence.SequenceSharding, sequence.SequenceGather)
@@ -300,6 +312,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     originals = []
     sequence_length = [0]
     attention: dict[int, tuple[str, int, int]] = {}
+    moe: dict[int, tuple[str, int, int, tuple[str, ...]]] = {}
     calls = [0]  # records made so far: a layer none of whose sublayers ran counts as a leaf
 
     def every_layer(layer, prefix):
@@ -322,6 +335,15 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
                             __layer, __name, args[0], value,
                             tuple(by_id[id(w)] for w in __layer._query_dense.weights  # pylint: disable=protected-access
                                   if id(w) in by_id))
+                if isinstance(__layer, _experts_layer()):
+                    x = args[0]
+                    sizes = __layer.sizes_per_example(int(x.shape[1]), int(x.shape[-1]))
+                    paths = tuple(by_id[id(w)] for w in __layer.weights if id(w) in by_id)
+                    moe[id(__layer)] = (__name, sizes["moved"], x.dtype.size, paths)
+                    # its dispatched tokens and hidden activations, as a layer of their own
+                    records[("experts", id(__layer))] = LayerProfile(
+                        name=__name + "/experts", in_elements=0, out_elements=sizes["live"],
+                        itemsize=x.dtype.size, weights=())
                 if isinstance(__layer, _identity_layers()):
                     # marks where the sequence is sharded; keeps nothing of its own
                     if args and len(args[0].shape) > 1 and not sequence_length[0]:
@@ -353,7 +375,7 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     return ModelProfile(weights=weights, layers=tuple(records.values()),
                         input_shape=_shape_tuple(input_shape), input_dtype=input_dtype,
                         outputs=int(model.output_shape[-1]), sequence_length=sequence_length[0],
-                        attention=tuple(attention.values()))
+                        attention=tuple(attention.values()), experts=tuple(moe.values()))
 
 
 # -- memory -----------------------------------------------------------------------------------------
@@ -426,8 +448,8 @@ def _activation_bytes(profile: ModelProfile, dims_of, sizes, remat: Sequence[str
     for layer in profile.layers:
         nbytes = layer.out_elements * layer.itemsize // _layer_split(layer, dims_of, sizes,
                                                                       sequence)
-        if not layer.name.endswith("/blocks"):  # blockwise attention's working set has no
-            largest = max(largest, nbytes)       # gradient of its own
+        if not layer.name.endswith(("/blocks", "/experts")):  # working sets (blockwise
+            largest = max(largest, nbytes)  # attention's, the experts') have no gradient of their own
         block = _block(layer, remat) if remat else None
         if block is None:
             kept += nbytes
@@ -540,6 +562,50 @@ def _sequence_ms(profile: ModelProfile, plan, machine: MachineCalibration, rows:
                for _, elements, itemsize in profile.attention)
 
 
+def _all_to_all(profile: ModelProfile, plan, sizes: dict[str, int], rows: int
+                ) -> list[tuple[int, float]]:
+    """Each MoE layer's all-to-all on a mesh of ``sizes``: (axis size, bytes a device holds of
+    the expert inputs). The axis is the one sharding the experts' dim 0; the tokens are split over
+    the batch rows and, where the table shards the sequence, the sequence axis."""
+    dims_of = _compute_dims(plan)
+    seq = getattr(plan.table, "sequence_axis", None)
+    split = sizes.get(seq, 1) if seq else 1
+    out = []
+    for _, moved, itemsize, paths in profile.experts:
+        axes = {dims_of[p][0] for p in paths if p in dims_of and len(dims_of[p]) == 3}
+        axis = next((a for a in axes if a), None)
+        if axis and sizes.get(axis, 1) > 1:
+            out.append((sizes[axis], rows * moved * itemsize / split))
+    return out
+
+
+def all_to_all_bytes(profile: ModelProfile, plan, rows: int, microbatches: int = 1) -> int:
+    """Bytes a device sends by all-to-all in one step: per MoE layer, the expert inputs to their
+    experts and the outputs back, forward and backward (4), each sending ``(n - 1) / n`` of what
+    the device holds over an axis of size n."""
+    return int(microbatches * sum(4 * nbytes * (n - 1) / n for n, nbytes in
+                                  _all_to_all(profile, plan, dict(plan.mesh_axes), rows)))
+
+
+def _experts_ms(profile: ModelProfile, plan, machine: MachineCalibration, rows: int,
+                global_batch_size: int) -> float:
+    """The all-to-alls of the MoE layers per step, in ms: 4 per layer, each priced as a gather of
+    what a device holds (both send ``(n - 1) / n`` of it). Where the experts are sharded over
+    ``batch`` the calibrated step on ``batch=D`` already ran them on all D devices: that share is
+    taken off."""
+    sizes = dict(plan.mesh_axes)
+    ms = sum(4 * machine.gather_ms(n, nbytes) for n, nbytes in
+             _all_to_all(profile, plan, sizes, rows))
+    dims_of = _compute_dims(plan)
+    over_batch = any(dims_of.get(p, (None,))[0] == "batch" for _, _, _, paths in profile.experts
+                     for p in paths if len(dims_of.get(p, ())) == 3)
+    if over_batch:
+        d = machine.devices
+        ms -= sum(4 * machine.gather_ms(d, global_batch_size // d * moved * itemsize)
+                  for _, moved, itemsize, _ in profile.experts)
+    return ms
+
+
 def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: StepCalibration,
                *, global_batch_size: int, update: str, remat: bool, microbatches: int,
                remat_patterns: Sequence[str] = ()) -> float:
@@ -553,6 +619,8 @@ def predict_ms(profile: ModelProfile, plan, machine: MachineCalibration, step: S
     ms += k * _model_axis_ms(profile, plan, machine, rows) / sizes.get(
         getattr(plan.table, "sequence_axis", None) or "", 1)
     ms += k * _sequence_ms(profile, plan, machine, rows)
+    if profile.experts:
+        ms += k * _experts_ms(profile, plan, machine, rows, global_batch_size // k)
     if update == "fsdp":
         # Each microbatch gathers the weights (again in the backward pass for remat's blocks);
         # the sharded update gathers them once, after the update. On batch=D the difference is
@@ -655,8 +723,16 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
                 predicted = None if machine is None or step is None else predict_ms(
                     profile, plan, machine, step, global_batch_size=global_batch_size,
                     update=update, remat=remat, microbatches=k, remat_patterns=patterns)
+                experts = {p for _, _, _, paths in profile.experts for p in paths}
+                experts_bytes = layouts.memory_per_device(
+                    dataclasses.replace(plan, weights=tuple(
+                        w for w in plan.weights if w.path in experts)),
+                    optimizer_slots=optimizer_slots,
+                    shard_optimizer_state=update == "zero" and b > 1)["total"] if experts else 0
                 out.append(Candidate(**base, microbatches=k, memory=memory,
-                                     predicted_ms=predicted))
+                                     predicted_ms=predicted, experts_bytes=experts_bytes,
+                                     all_to_all_bytes=all_to_all_bytes(
+                                         profile, plan, per_device // k, k)))
     return out
 
 
@@ -1252,12 +1328,14 @@ def plot_plan(p: Plan, path: str) -> None:
 
 def explain_plan(p: Plan) -> str:
     """Every candidate: memory per device, predicted ms/step, and chosen or why not."""
+    moe = any(c.experts_bytes for c in p.candidates)
     rows = [("candidate", "weights", "state", "grads", "gathered", "activations", "total",
-             "ms/step", "")]
+             *(("experts", "all-to-all") if moe else ()), "ms/step", "")]
     best = p.chosen
     for c in sorted(p.candidates, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0)):
         if c.rejected:
-            rows.append((c.label, "", "", "", "", "", "", "", f"cannot run: {c.rejected}"))
+            rows.append((c.label, "", "", "", "", "", "", *(("", "") if moe else ()), "",
+                         f"cannot run: {c.rejected}"))
             continue
         m = c.memory
         if c is best:
@@ -1268,6 +1346,7 @@ def explain_plan(p: Plan) -> str:
             why = f"slower (+{(c.predicted_ms or 0) / (best.predicted_ms or 1) - 1:.0%})"
         rows.append((c.label, *(f"{m[k] / MIB:.1f}" for k in (
             "weights", "optimizer", "gradients", "gathered", "activations", "total")),
+            *((f"{c.experts_bytes / MIB:.1f}", f"{c.all_to_all_bytes / MIB:.1f}") if moe else ()),
             f"{c.predicted_ms:.1f}" if c.predicted_ms is not None else "", why))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     budget = best.budget
@@ -1291,6 +1370,11 @@ def explain_plan(p: Plan) -> str:
                  + ", ".join(
                      f"axis {n}: {a:.2f} ms + {b:.2f} ms/MiB" for n, (a, b) in
                      sorted(p.machine.gather.items())))
+    if moe:
+        lines.append("experts: the experts' weights and optimizer state per device (within weights "
+                     "and state; divided by the axis sharding the experts); all-to-all: MiB a "
+                     "device sends a step, the expert inputs to their experts and back, forward "
+                     "and backward, priced as gathers of what a device holds")
     if any("seq=" in c.label for c in p.candidates):
         lines.append("attention on a seq axis: priced as the all-gather of keys and values; at "
                      "build time the layout table's sequence_attention (auto: the default) times "
