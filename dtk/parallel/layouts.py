@@ -668,7 +668,8 @@ class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
 def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 table: LayoutTable | str, *, seed: int, strict: bool = False,
                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
-                input_dtype: str = "float32", fsdp: bool = False
+                input_dtype: str = "float32", fsdp: bool = False, log_warnings: bool = True,
+                initial_values: Callable[[set[str]], Any] | None = None
                 ) -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
 
@@ -696,7 +697,10 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     first-call route do not work under a layout scope).
 
     The plan's warnings (rules that matched nothing, weights that fell to the default) are
-    logged on the ``dtk`` logger.
+    logged on the ``dtk`` logger (unless ``log_warnings=False``: a pipeline stage's part of the
+    model, whose whole plan was checked and logged once). ``initial_values(paths)``, where given,
+    yields ``(path, value)`` for the weights of ``paths`` in place of the factory's own initial
+    values (a pipeline stage's are the whole model's).
 
     Raises:
       TypeError: the factory returns no tf_keras model (or a Keras 3 one).
@@ -719,7 +723,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     op_support.check_layers(reference)  # before the laid-out build, whose errors name no layer
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
                        allow_replicated=allow_replicated, fsdp=fsdp)
-    for warning in plan.warnings:
+    for warning in plan.warnings if log_warnings else ():  # a pipeline stage's: said once
         _log.warning("layouts: %s", warning)
     if sum(w.bytes_per_device for w in plan.weights) >= _env.LARGE_MODEL_BYTES_PER_DEVICE:
         if _env.apply_malloc_defaults():  # before the weights, their gradients and state exist
@@ -759,7 +763,15 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # Matched by path, not by position: the two builds may list weights in another order.
     targets = dict(weight_paths(model))
     sources = weight_paths(reference)
-    if lazy:
+    if initial_values is not None:
+        for path, value in initial_values(set(targets)):
+            variable = targets.pop(path)
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(f"initial value of {path} has shape {value.shape}; the weight "
+                                 f"is {tuple(variable.shape)}")
+            materialize.assign_global(variable, lambda value=value: value)
+        sources = []
+    elif lazy:
         tf_keras.utils.set_random_seed(seed)  # the plain build's draws, in its order
         sources = materialize.creation_order(sources)
     for path, source in sources:

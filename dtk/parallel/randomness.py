@@ -481,7 +481,11 @@ def adapt_layers(model: tf_keras.Model, *, seed: int) -> list[str]:
     Returns one log line naming the layers (none when the model has no random layer).
     """
     names = []
+    # A pipeline stage (dtk.parallel.pipeline.stage_model) keeps its layers' positions in the
+    # whole model: its draws are the whole model's.
+    keys = getattr(model, "_dtk_layer_keys", None) or {}
     for index, layer in enumerate(model._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+        index = keys.get(id(layer), index)
         generator = getattr(layer, "_random_generator", None)
         if generator is None and _draws_backend(layer) and not getattr(
                 layer, "_dtk_backend_generator", None):
