@@ -375,13 +375,16 @@ class Pipeline:
 
     def explain(self) -> str:
         """Each stage: its devices, its units and its weights' bytes per device."""
+        names = list(self.mesh.dim_names)
+        ids = np.moveaxis(np.asarray(self.mesh.global_device_ids()).reshape(
+            [self.mesh.dim_size(n) for n in names]), names.index(STAGE_AXIS), 0)
         lines = []
         for s, (mesh, plan, units) in enumerate(zip(self.meshes, self.plans, self.units)):
             nbytes = sum(w.bytes_per_device for w in plan.weights)
-            ids = [int(i) for i in np.asarray(mesh.global_device_ids()).reshape(-1)]
-            lines.append(f"stage {s} on devices {ids[0]}-{ids[-1]} ({mesh_spec(mesh)}): "
+            devices = ",".join(str(int(i)) for i in ids[s].reshape(-1))
+            lines.append(f"stage {s} on devices {devices} ({mesh_spec(mesh)}): "
                          f"{', '.join(units)}; {len(plan.weights)} weights, "
-                         f"{nbytes / 2 ** 20:.1f} MiB per device")
+                         f"{nbytes / 2 ** 10:.1f} KiB per device")
         return "\n".join(lines)
 
 

@@ -1,0 +1,177 @@
+"""Issue 61: pipeline parallelism. Stages on sub-meshes of a ``stage`` axis, microbatches in a
+GPipe or 1F1B schedule, each stage its own compiled forward and backward: one device's losses
+with dropout, on every mesh and schedule."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+import dtk
+from dtk import models
+from dtk.data import input as input_lib
+from dtk.parallel import layouts, pipeline
+from dtk.train import pipeline as pipeline_steps
+
+SEQ, B, N = 16, 16, 10
+LM = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8, layers=2,
+                       dropout=0.1)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 64, (N, B, SEQ)).astype(np.int32),
+            rng.integers(0, 64, (N, B, SEQ)).astype(np.int64))
+
+
+def _adam(mesh):
+    return tf_keras.optimizers.Adam(3e-3, mesh=mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device():
+    mesh = dtk.build_mesh("batch=1")
+    model, _ = layouts.build_model(LM, mesh, "transformer_lm", seed=7)
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
+                      optimizer=_adam(mesh), config=dtk.StepConfig(shard_optimizer_state=False))
+    x, y = _data()
+    return np.array([float(steps.train(input_lib.pack(mesh, (x[i], y[i], np.ones(B, np.float32)))))
+                     for i in range(N)])
+
+
+def _pipelined(spec, schedule, microbatches=4, factory=LM, table="transformer_lm", **kwargs):
+    config = pipeline.PipelineConfig(microbatches=microbatches, schedule=schedule, **kwargs)
+    pipe = pipeline.build(factory, dtk.build_mesh(spec), table, seed=7, config=config)
+    return pipe, pipeline_steps.PipelineSteps(pipe, loss="sparse_categorical_crossentropy",
+                                              optimizer=_adam, config=config)
+
+
+@pytest.mark.parametrize("spec, schedule", [
+    pytest.param("stage=2,batch=4", "1f1b", marks=pytest.mark.slow),
+    pytest.param("stage=2,batch=4", "gpipe", marks=pytest.mark.slow),
+    pytest.param("stage=2,batch=2,model=2", "1f1b", marks=pytest.mark.slow),
+    pytest.param("stage=2,batch=2,model=2", "gpipe", marks=pytest.mark.slow),
+    pytest.param("stage=4,batch=2", "1f1b", marks=pytest.mark.slow),
+    pytest.param("stage=4,batch=2", "gpipe", marks=pytest.mark.slow),
+])
+def test_the_pipelined_lm_trains_like_one_device(spec, schedule):
+    """10 steps of the LM with dropout 0.1, 4 microbatches: batch=1's losses at 1e-5. Each stage
+    holds its own layers' weights only, on its own devices."""
+    pipe, steps = _pipelined(spec, schedule)
+    x, y = _data()
+    losses = np.array([steps.train(x[i], y[i]) for i in range(N)])
+    np.testing.assert_allclose(losses, _one_device(), rtol=1e-5)
+    whole = {p for p, _ in layouts.weight_paths(LM())}
+    held = [{p for p, _ in layouts.weight_paths(m)} for m in pipe.models]
+    assert sum(len(h) for h in held) == len(whole) and set().union(*held) == whole
+    devices = [set(mesh.local_devices()) for mesh in pipe.meshes]
+    assert all(not (a & b) for i, a in enumerate(devices) for b in devices[i + 1:])
+    for mesh, model in zip(pipe.meshes, pipe.models):
+        assert all(dtensor.fetch_layout(v).mesh == mesh for v in model.trainable_variables)
+    assert steps.iterations == N
+
+
+def test_a_sequential_model_is_cut_between_its_layers():
+    """Any Sequential model's top-level layers are units: the MNIST MLP with dropout on
+    stage=2,batch=4, 2 microbatches, equals batch=1 through dtk.Steps."""
+    factory = functools.partial(models.mnist_mlp, dropout=0.2)
+    rng = np.random.default_rng(1)
+    x = rng.random((3, 16, 28, 28, 1), np.float32)
+    y = rng.integers(0, 10, (3, 16)).astype(np.int64)
+    mesh = dtk.build_mesh("batch=1")
+    model, _ = layouts.build_model(factory, mesh, "data_parallel", seed=7)
+    steps = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh,
+                      optimizer=_adam(mesh), config=dtk.StepConfig(shard_optimizer_state=False))
+    want = [float(steps.train(input_lib.pack(mesh, (x[i], y[i], np.ones(16, np.float32)))))
+            for i in range(3)]
+    pipe, piped = _pipelined("stage=2,batch=4", "1f1b", 2, factory=factory,
+                             table="data_parallel")
+    units, _ = pipeline.cuts(factory())
+    assert len(pipe.units[0]) + len(pipe.units[1]) == len(units)
+    np.testing.assert_allclose([piped.train(x[i], y[i]) for i in range(3)], want, rtol=1e-5)
+
+
+def test_the_lm_is_cut_between_its_blocks():
+    """The LM's units: its top-level layers and its blocks (the residual + inside a block
+    belongs to it); stages are balanced by cost, or start where the user says."""
+    units, between = pipeline.cuts(LM())
+    names = [u.name for u in units]
+    assert names == ["embed", "pos", "seq_in", "drop_in", "block0", "block1", "ln_f", "head"]
+    assert all(t is not None for t in between)  # one tensor crosses between any two
+    assert pipeline.split(LM(), 2) == [(0, 4), (5, 7)]
+    assert pipeline.split(LM(), 2, ["block1_ln1"]) == [(0, 4), (5, 7)]
+    assert pipeline.split(LM(), 2, ["ln_f"]) == [(0, 5), (6, 7)]
+    deep = functools.partial(models.transformer_lm, vocab=64, seq_len=SEQ, dim=32, heads=8,
+                             layers=8)
+    stages = pipeline.split(deep(), 4)
+    units, _ = pipeline.cuts(deep())
+    blocks = [sum(units[i].name.startswith("block") for i in range(a, b + 1)) for a, b in stages]
+    assert blocks == [2, 2, 2, 2], (stages, blocks)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 5)])
+def test_schedules_run_every_op_once_after_what_it_needs(stages, microbatches):
+    """GPipe and 1F1B: every forward and backward of every stage and microbatch once, each
+    after its inputs; 1F1B keeps at most S - s microbatches in flight on stage s (GPipe: M)."""
+    for schedule in pipeline.SCHEDULES:
+        order = pipeline.dispatch_order(schedule, stages, microbatches)
+        want = {(k, s, j) for k in "FB" for s in range(stages) for j in range(microbatches)}
+        assert len(order) == len(want) and set(order) == want
+        seen = set()
+        for kind, s, j in order:
+            need = ("F", s - 1, j) if kind == "F" and s else ("B", s + 1, j) \
+                if kind == "B" and s < stages - 1 else ("F", s, j) if kind == "B" else None
+            assert need is None or need in seen, (schedule, kind, s, j)
+            seen.add((kind, s, j))
+        for s in range(stages):
+            live = peak = 0
+            for kind, _ in pipeline.stage_order(schedule, stages, microbatches, s):
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            assert peak == (min(stages - s, microbatches) if schedule == "1f1b" else microbatches)
+    assert pipeline.bubble(stages, microbatches) == (stages - 1) / (microbatches + stages - 1)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: pipeline.split(LM(), 9), "9 pipeline stages for model 'transformer_lm', which can be "
+                                      "cut in 8 parts at most"),
+    (lambda: pipeline.split(LM(), 2, ["block1_attn"]), "pipeline boundary 'block1_attn': more "
+                                                       "than one tensor crosses there"),
+    (lambda: pipeline.split(LM(), 2, ["nope"]), "pipeline boundary 'nope' is no layer"),
+    (lambda: pipeline.split(LM(), 3, ["block1_ln1"]), "3 stages need 2"),
+    (lambda: pipeline.split(LM(), 3, ["ln_f", "block1_ln1"]), "must be in model order"),
+    (lambda: pipeline.PipelineConfig(microbatches=0), "microbatches must be a positive integer"),
+    (lambda: pipeline.PipelineConfig(schedule="zigzag"),
+     "schedule 'zigzag' is not a schedule dtk knows; use one of gpipe, 1f1b"),
+    (lambda: pipeline.stage_meshes(dtk.build_mesh("batch=8")), "has no 'stage' axis"),
+])
+def test_bad_pipelines_are_one_value_error(make, message):
+    with pytest.raises(ValueError, match=None) as e:
+        make()
+    assert message in str(e.value)
+
+
+def test_a_subclassed_model_has_no_boundary_dtk_can_find():
+    class Net(tf_keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = tf_keras.layers.Dense(4), tf_keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    net = Net()
+    net(tf.zeros([1, 3]))
+    with pytest.raises(ValueError, match="is a subclassed model: dtk finds pipeline stages"):
+        pipeline.split(net, 2)
+
+
+def test_a_batch_the_microbatches_do_not_divide_is_named():
+    _, steps = _pipelined("stage=2,batch=4", "1f1b", 4)
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"global batch 8 is not divisible by microbatches 4 x "
+                                         r"mesh axis 'batch' of size 4"):
+        steps.train(x[0][:8], y[0][:8])
