@@ -55,6 +55,12 @@ flags.DEFINE_integer("moe_every", 1, "An MoE block every this many blocks (2: bl
 flags.DEFINE_integer("moe_group_size", 32, "Consecutive positions of one sequence routed together "
                      "(the capacity is per group, the same on every mesh); must divide --seq_len "
                      "(the default 32: where it does not, the whole sequence is one group).")
+flags.DEFINE_enum("pipeline_schedule", "1f1b", ["1f1b", "gpipe"], "On a mesh with a stage axis "
+                  "(pipeline parallelism): the order of the microbatches' forward and backward "
+                  "passes; 1f1b keeps at most S - s microbatches in flight on stage s, gpipe all.")
+flags.DEFINE_list("pipeline_boundaries", None, "On a mesh with a stage axis: the first layer of "
+                  "each stage after the first (e.g. block2_ln1); default: stages of balanced "
+                  "cost between the model's blocks.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
 flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
@@ -90,6 +96,7 @@ def _check_flags():
         raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
     _check_moe_flags()
+    _check_pipeline_flags()
     if FLAGS.sample_bytes and not FLAGS.prompt:
         raise UsageError("--prompt is empty; give a few bytes to continue, e.g. 'def '")
     if FLAGS.sample_bytes and len(FLAGS.prompt.encode()) >= FLAGS.seq_len:
@@ -165,6 +172,57 @@ def _check_moe_mesh(mesh, table) -> None:
                 f"multiple of {size} (e.g. {size * max(1, FLAGS.moe_experts // size)})")
 
 
+# What a pipelined run (a stage axis) does not do yet, each refused with the flag's name.
+PIPELINE_REFUSED = {
+    "fsdp": "FSDP inside a stage", "remat": "remat inside a stage (each stage's backward already "
+    "recomputes its forward)", "checkpoint_dir": "checkpoints of a pipelined run",
+    "export_dir": "export of a pipelined run", "tensorboard_dir": "TensorBoard logs of a "
+    "pipelined run", "async_checkpoints": "checkpoints of a pipelined run",
+    "mixed_precision": "mixed precision in a pipeline", "moe_experts": "experts in a pipeline",
+    "explain_plan": "pipeline candidates in the planner",
+}
+
+
+def _is_pipeline() -> bool:
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import pipeline  # pylint: disable=g-import-not-at-top
+    if FLAGS.mesh == cli.AUTO_MESH:
+        return False
+    try:
+        return pipeline.STAGE_AXIS in dtk.parse_mesh_spec(FLAGS.mesh).axis_names
+    except ValueError:
+        return False  # said by the mesh check
+
+
+def _check_pipeline_flags() -> None:
+    """A stage axis: --microbatches are the pipeline's; what it does not do is refused. Without
+    one, the pipeline's flags are refused, and --microbatches is said to mean accumulation."""
+    import logging  # pylint: disable=g-import-not-at-top
+    if not _is_pipeline():
+        given = [f"--{n}" for n in ("pipeline_schedule", "pipeline_boundaries") if FLAGS[n].present]
+        if given:
+            raise UsageError(f"{', '.join(given)} set(s) a pipeline, but --mesh {FLAGS.mesh} has "
+                             "no stage axis; add one (e.g. --mesh stage=2,batch=4), or drop "
+                             f"{', '.join(given)}")
+        if FLAGS["microbatches"].present and FLAGS.grad_accum > 1:
+            logging.getLogger("dtk").warning(
+                "--microbatches %d without a stage axis: gradient accumulation over %d "
+                "microbatches a step (as --grad_accum %d); a pipeline needs a stage axis in "
+                "--mesh", FLAGS.grad_accum, FLAGS.grad_accum, FLAGS.grad_accum)
+        return
+    for name, what in PIPELINE_REFUSED.items():
+        value = getattr(FLAGS, name)
+        if value and (FLAGS[name].present or name == "moe_experts"):
+            raise UsageError(f"--{name} with a stage axis in --mesh {FLAGS.mesh}: {what} is not "
+                             f"supported yet; drop --{name}, or train without a stage axis")
+    if FLAGS.shard_optimizer_state:
+        raise UsageError(f"--shard_optimizer_state with a stage axis in --mesh {FLAGS.mesh}: each "
+                         "stage updates its own weights in place; drop it")
+    if FLAGS.global_batch_size % FLAGS.grad_accum:
+        raise UsageError(f"--microbatches {FLAGS.grad_accum} does not divide --global_batch_size "
+                         f"{FLAGS.global_batch_size}; use a divisor of it")
+
+
 def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature: float,
              seed: int) -> bytes:
     """Continues ``prompt`` by ``n`` bytes with the laid-out model (one compiled forward per byte).
@@ -182,7 +240,8 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
         context = out[-seq_len:]
         window = np.zeros((rows, seq_len), np.int32)
         window[:, :len(context)] = np.frombuffer(bytes(context), np.uint8)
-        logits = dtk.global_value(trainer.steps.predict(input_lib.pack(mesh, window)))
+        logits = dtk.global_value(trainer.predict(window) if hasattr(trainer, "pipe") else
+                                  trainer.steps.predict(input_lib.pack(mesh, window)))
         last = logits[0, len(context) - 1].astype(np.float64)
         if temperature <= 0:
             token = int(np.argmax(last))
@@ -228,6 +287,9 @@ def _setup():
             return None, None, table, factory, None, None, auto_plan
         cli.apply_plan(FLAGS, auto_plan)
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
+    full_mesh = mesh
+    if _is_pipeline():  # the layouts and checks of one stage's sub-mesh
+        mesh = _check_pipeline(mesh, factory)
     _check_moe_mesh(mesh, table)
     if FLAGS.sequence_attention:
         table = dataclasses.replace(table, sequence_attention=FLAGS.sequence_attention)
@@ -244,15 +306,162 @@ def _setup():
         tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
-    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    if full_mesh is not mesh:
+        rows = mesh.dim_size(dtk.BATCH_AXIS) * FLAGS.grad_accum
+        if FLAGS.global_batch_size % rows:
+            raise UsageError(
+                f"--global_batch_size {FLAGS.global_batch_size} does not split into --microbatches "
+                f"{FLAGS.grad_accum} x mesh axis 'batch' of size {mesh.dim_size(dtk.BATCH_AXIS)} "
+                f"(a stage's batch axis); use a multiple of {rows}")
+    else:
+        dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
-        shard = mesh.dim_size(dtk.BATCH_AXIS) > 1
+        shard = mesh.dim_size(dtk.BATCH_AXIS) > 1 and full_mesh is mesh
     memory = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=shard)
     if FLAGS.device_memory_gb:
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
                                     shard_optimizer_state=shard)
-    return spec, mesh, table, factory, plan, memory, auto_plan
+    return spec, full_mesh, table, factory, plan, memory, auto_plan
+
+
+def _check_pipeline(mesh, factory):
+    """The first stage's sub-mesh, once the model is known to split into the stages asked
+    (a lazy build: no weights stored). Raises UsageError naming the flag."""
+    from dtk.parallel import materialize, pipeline  # pylint: disable=g-import-not-at-top
+    try:
+        meshes = pipeline.stage_meshes(mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {FLAGS.mesh}: {e}") from None
+    try:
+        pipeline.split(materialize.lazy_model(factory, None, "float32"), len(meshes),
+                       FLAGS.pipeline_boundaries)
+    except ValueError as e:
+        flag = "--pipeline_boundaries" if FLAGS.pipeline_boundaries else f"--mesh {FLAGS.mesh}"
+        raise UsageError(f"{flag}: {e}") from None
+    return meshes[0]
+
+
+def _load_text(say):
+    """The corpus, checked against --seq_len, and its byte-unigram entropy (said)."""
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
+    corpus = text.load_corpus(FLAGS.text_file)
+    shortest = min(len(corpus.train), len(corpus.heldout))
+    if FLAGS.seq_len + 2 > shortest:
+        raise cli.UsageError(
+            f"--seq_len {FLAGS.seq_len} needs windows of {FLAGS.seq_len + 1} bytes, but the text "
+            f"has {len(corpus.train):,} training and {len(corpus.heldout):,} held-out bytes; use "
+            f"--seq_len {max(shortest - 2, 1)} or less, or a longer text")
+    unigram = text.unigram_bits_per_byte(corpus.train)
+    say(f"text: {corpus.source}, {len(corpus.train):,} training and {len(corpus.heldout):,} "
+        f"held-out bytes; byte-unigram entropy {unigram:.3f} bits/byte", flush=True)
+    return corpus, unigram
+
+
+def _datasets(corpus, mesh, seq_axis):
+    """The training stream (an epoch: --eval_every steps) and the held-out batches."""
+    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
+    train = input_lib.DistributedDataset(
+        text.windows(corpus.train, seq_len=FLAGS.seq_len).repeat(), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
+                              shuffle=True, seed=FLAGS.seed, steps_per_epoch=FLAGS.eval_every))
+    heldout = input_lib.DistributedDataset(
+        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
+                              remainder="pad", steps_per_epoch=None))
+    heldout_batches = min(FLAGS.eval_batches, heldout.num_batches)
+    heldout = input_lib.DistributedDataset(
+        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
+        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
+                              remainder="drop" if heldout_batches < heldout.num_batches else "pad",
+                              steps_per_epoch=heldout_batches))
+    return train, heldout
+
+
+def _run_pipeline(spec, mesh, table, factory, say) -> dict:
+    """A mesh with a stage axis: the model in stages (dtk.parallel.pipeline), trained by
+    dtk.train.pipeline.PipelineSteps with the Trainer's optimizer (AdamW, weight decay 0.01, the
+    gradients clipped to a global norm of 1), the same batches, held-out evaluations and
+    sample."""
+    import statistics  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    from dtk.data import text  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts, pipeline  # pylint: disable=g-import-not-at-top
+    from dtk.train import pipeline as pipeline_steps  # pylint: disable=g-import-not-at-top
+    config = pipeline.PipelineConfig(
+        microbatches=FLAGS.grad_accum, schedule=FLAGS.pipeline_schedule,
+        boundaries=tuple(FLAGS.pipeline_boundaries) if FLAGS.pipeline_boundaries else None)
+    pipe = pipeline.build(factory, mesh, table, seed=FLAGS.seed, config=config,
+                          allow_replicated=FLAGS.allow_replicated)
+    stages = len(pipe.models)
+    say(f"pipeline: {stages} stages, {config.microbatches} microbatches, {config.schedule}; "
+        f"bubble (S - 1) / (M + S - 1) = {pipeline.bubble(stages, config.microbatches):.1%}\n"
+        + pipe.explain(), flush=True)
+    if FLAGS.explain_layouts:
+        for s, plan in enumerate(pipe.plans):
+            print(f"-- stage {s}\n{layouts.explain(plan)}")
+        return {}
+    memory = [layouts.memory_per_device(plan, optimizer_slots=2) for plan in pipe.plans]
+    if FLAGS.device_memory_gb:
+        for plan in pipe.plans:
+            layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2)
+    steps = pipeline_steps.PipelineSteps(
+        pipe, loss="sparse_categorical_crossentropy", optimizer="adamw", config=config,
+        optimizer_kwargs={"learning_rate": FLAGS.learning_rate, "weight_decay": 0.01,
+                          "global_clipnorm": 1.0})
+    corpus, unigram = _load_text(say)
+    train, heldout = _datasets(corpus, pipe.meshes[0], None)
+    curve, train_loss, times = [], [], []
+    tokens_per_epoch = FLAGS.eval_every * FLAGS.global_batch_size * FLAGS.seq_len
+
+    def heldout_loss():
+        sums = [steps.evaluate(*batch[:3]) for batch in heldout.global_batches(0)]
+        return sum(t for t, _ in sums) / sum(c for _, c in sums), int(sum(c for _, c in sums))
+
+    done = 0
+    for epoch in range(-(-FLAGS.steps // FLAGS.eval_every)):
+        start, losses = time.perf_counter(), []
+        for batch in train.global_batches(epoch):
+            if done == FLAGS.steps:
+                break
+            began = time.perf_counter()
+            losses.append(steps.train(*batch[:3]))
+            times.append(time.perf_counter() - began)
+            done += 1
+        train_loss.append(float(np.mean(losses)))
+        bpb = text.bits_per_byte(heldout_loss()[0])
+        curve.append({"step": done, "heldout_bits_per_byte": bpb})
+        say(f"step {done}: train loss {train_loss[-1]:.4f}, held-out {bpb:.3f} bits/byte "
+            f"(unigram {unigram:.3f}), "
+            f"{tokens_per_epoch / (time.perf_counter() - start):,.0f} tokens/s", flush=True)
+    loss, windows = heldout_loss()
+    heldout_bpb = text.bits_per_byte(loss)
+    say(f"held-out: {heldout_bpb:.3f} bits/byte vs {unigram:.3f} for the byte unigram "
+        f"({windows} windows)", flush=True)
+    sample = b""
+    if FLAGS.sample_bytes:
+        sample = generate(steps, pipe.meshes[0], FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
+                          n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
+        say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
+    cli.keep_until_exit(train, heldout)
+    return {
+        "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(), "layout": FLAGS.layout,
+        "pipeline": {"stages": stages, "microbatches": config.microbatches,
+                     "schedule": config.schedule, "units": [list(u) for u in pipe.units],
+                     "bubble": pipeline.bubble(stages, config.microbatches)},
+        "planned_bytes_per_device": max(memory, key=lambda m: m["total"]),
+        "planned_bytes_per_device_by_stage": memory,
+        "steps": done, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim, "heads": FLAGS.heads,
+        "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
+        "train_loss": train_loss, "heldout_curve": curve, "heldout_bits_per_byte": heldout_bpb,
+        "unigram_bits_per_byte": unigram,
+        "ms_per_step_median": 1000 * statistics.median(times[1:] or times),
+        "first_step_s": times[0] if times else None,
+        "sample": sample.decode("utf-8", errors="replace"),
+        "wall_s": time.perf_counter() - _START,
+    }
 
 
 def run() -> dict:
@@ -271,36 +480,16 @@ def run() -> dict:
     if auto_plan is not None:
         say(auto_plan.explain().splitlines()[-1], flush=True)
     say(dtk.describe_mesh(mesh), flush=True)
+    if _is_pipeline():
+        return _run_pipeline(spec, mesh, table, factory, say)
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
         return {}
 
-    corpus = text.load_corpus(FLAGS.text_file)
-    shortest = min(len(corpus.train), len(corpus.heldout))
-    if FLAGS.seq_len + 2 > shortest:
-        raise cli.UsageError(
-            f"--seq_len {FLAGS.seq_len} needs windows of {FLAGS.seq_len + 1} bytes, but the text "
-            f"has {len(corpus.train):,} training and {len(corpus.heldout):,} held-out bytes; use "
-            f"--seq_len {max(shortest - 2, 1)} or less, or a longer text")
-    unigram = text.unigram_bits_per_byte(corpus.train)
-    say(f"text: {corpus.source}, {len(corpus.train):,} training and {len(corpus.heldout):,} "
-        f"held-out bytes; byte-unigram entropy {unigram:.3f} bits/byte", flush=True)
+    corpus, unigram = _load_text(say)
     # token ids sharded along the sequence too, where the mesh has the table's sequence axis
     seq_axis = table.sequence_axis if table.sequence_axis in mesh.dim_names else None
-    train = input_lib.DistributedDataset(
-        text.windows(corpus.train, seq_len=FLAGS.seq_len).repeat(), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, shuffle=True,
-                              seed=FLAGS.seed, steps_per_epoch=FLAGS.eval_every))
-    heldout = input_lib.DistributedDataset(
-        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis, remainder="pad",
-                              steps_per_epoch=None))
-    heldout_batches = min(FLAGS.eval_batches, heldout.num_batches)
-    heldout = input_lib.DistributedDataset(
-        text.windows(corpus.heldout, seq_len=FLAGS.seq_len), mesh,
-        input_lib.InputConfig(global_batch_size=FLAGS.global_batch_size, sequence_axis=seq_axis,
-                              remainder="drop" if heldout_batches < heldout.num_batches else "pad",
-                              steps_per_epoch=heldout_batches))
+    train, heldout = _datasets(corpus, mesh, seq_axis)
     optimizer = dtk.make_optimizer("adamw", mesh, learning_rate=FLAGS.learning_rate,
                                    weight_decay=0.01, global_clipnorm=1.0)
     trainer = dtk.Trainer(

@@ -606,6 +606,12 @@ class DistributedDataset:
     def __iter__(self) -> Iterator[Batch]:
         return self.epoch(0)
 
+    def global_batches(self, epoch: int = 0) -> Iterator[tuple]:
+        """This epoch's global batches as numpy ``(features, labels, weights[, examples])``,
+        padded as ``epoch`` packs them, not packed: for a driver that places the rows itself
+        (a pipeline splits them into microbatches on its first and last stage)."""
+        return self._batches(epoch, 0)
+
 
 class _Stream:
     """Where the stream of all epochs stands: the next batch index and its iterator."""

@@ -66,12 +66,15 @@ class PipelineSteps:
         self.optimizers = [optimizer(m) if callable(optimizer) else
                            make_optimizer(optimizer, m, **(optimizer_kwargs or {}))
                            for m in pipe.meshes]
+        # Clipping by the global norm needs every stage's gradients: each stage's sum of
+        # squares goes to the host, and each stage scales its own by the one factor.
+        clips = {opt.global_clipnorm for opt in self.optimizers}
+        if len(clips) > 1:
+            raise ValueError(f"the stages' optimizers clip to different global norms {clips}; "
+                             "give every stage the same optimizer settings")
+        self.global_clipnorm = clips.pop()
         for opt in self.optimizers:
-            if getattr(opt, "global_clipnorm", None):
-                raise ValueError(
-                    f"optimizer global_clipnorm={opt.global_clipnorm} on a pipeline: each stage "
-                    "updates its own weights and no stage sees the others' gradients; use "
-                    "clipnorm (per weight) or train without a stage axis")
+            opt.global_clipnorm = None
         for opt, model in zip(self.optimizers, pipe.models):
             opt.build(model.trainable_variables)
         self.order = pipeline.dispatch_order(config.schedule, len(pipe.models),
@@ -82,6 +85,12 @@ class PipelineSteps:
         self._backward = [self._compile_backward(s) for s in range(len(pipe.models) - 1)]
         self._last = self._compile_last()
         self._apply = [self._compile_apply(s) for s in range(len(pipe.models))]
+        self._squares = [tf.function(lambda grads: tf.add_n(
+            [tf.reduce_sum(tf.square(g)) for g in grads])) for _ in pipe.models]
+        self._infer = [tf.function(lambda x, model=model: model(x, training=False))
+                       for model in pipe.models]
+        self._eval_loss = tf.function(lambda labels, y, weights: weighted_loss(
+            self.loss_fn, labels, y, weights)[:2])
         self.timeline: list[tuple[str, int, int, float, float]] = []  # with record=True
 
     # -- compiled parts ---------------------------------------------------------------------------
@@ -156,8 +165,8 @@ class PipelineSteps:
         variables = model.trainable_variables
 
         @tf.function
-        def apply(grads):
-            opt.apply_gradients(zip(grads, variables))
+        def apply(grads, scale):
+            opt.apply_gradients(zip([g * scale for g in grads], variables))
         return apply
 
     # -- the step ---------------------------------------------------------------------------------
@@ -220,12 +229,38 @@ class PipelineSteps:
                 if out is not None:
                     _wait(out)
                 self.timeline.append((kind, s, j, start, time.perf_counter()))
+        scale = 1.0
+        if self.global_clipnorm:  # tf.clip_by_global_norm's factor, over every stage's gradients
+            norm = float(np.sqrt(sum(float(self._squares[s](acc[s])) for s in range(stages))))
+            scale = self.global_clipnorm / max(norm, self.global_clipnorm)
         for s in range(stages):
-            self._apply[s](acc[s])
+            self._apply[s](acc[s], _replicated(scale, pipe.meshes[s], tf.float32))
         total = float(sum(float(t) for t in totals))
         loss = total / float(weights.sum()) if not getattr(self.loss_fn, "sum_over_batch",
                                                            False) else total
         return loss + float(sum(float(p) for p in penalties))
+
+    def predict(self, features) -> tf.Tensor:
+        """The model's output for a global batch (numpy), through every stage (no dropout), on
+        the last stage's sub-mesh."""
+        x = input_lib.pack(self.pipe.meshes[0], np.asarray(features))
+        for s, infer in enumerate(self._infer):
+            if s:
+                x = _move(x, self.pipe.meshes[s])
+            x = infer(x)
+        return x
+
+    def evaluate(self, features, labels, sample_weight=None) -> tuple[float, float]:
+        """The weighted loss sum over a global batch and its count of real examples (0/1
+        ``sample_weight`` marks padding), for a held-out mean over batches."""
+        rows = np.asarray(features).shape[0]
+        weights = (np.ones(rows, np.float32) if sample_weight is None
+                   else np.asarray(sample_weight, np.float32))
+        final = self.pipe.meshes[-1]
+        y = self.predict(features)
+        labels, weights = input_lib.pack(final, (np.asarray(labels), weights))
+        total, count = self._eval_loss(labels, y, weights)
+        return float(total), float(count)
 
     @property
     def iterations(self) -> int:
