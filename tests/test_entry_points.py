@@ -90,6 +90,30 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--attention", "mha", "--block_size", "7", "--seq_len", "32"],
      "--block_size 7 sets blockwise attention's key blocks, but --attention is 'mha'; add "
      "--attention blockwise, or drop --block_size"),
+    # issue 61: pipeline stages
+    (["--mesh", "stage=2,batch=4", "--microbatches", "4"], ACCEPTED),
+    (["--mesh", "stage=4,batch=2", "--microbatches", "4", "--pipeline_schedule", "gpipe"],
+     ACCEPTED),
+    (["--mesh", "stage=2,batch=2,model=2", "--pipeline_boundaries", "block1_ln1"], ACCEPTED),
+    (["--mesh", "stage=8,batch=1", "--layers", "1"],
+     "--mesh stage=8,batch=1: 8 pipeline stages for model 'transformer_lm', which can be cut in "
+     "7 parts at most"),
+    (["--mesh", "stage=2,batch=4", "--microbatches", "3"],
+     "--microbatches 3 does not divide --global_batch_size 32"),
+    (["--mesh", "stage=2,batch=4", "--microbatches", "16"],
+     "--global_batch_size 32 does not split into --microbatches 16 x mesh axis 'batch' of size 4"),
+    (["--mesh", "stage=2,batch=4", "--pipeline_boundaries", "block1_attn"],
+     "--pipeline_boundaries: pipeline boundary 'block1_attn': more than one tensor crosses"),
+    (["--mesh", "stage=2,batch=4", "--pipeline_boundaries", "nope"],
+     "pipeline boundary 'nope' is no layer of model 'transformer_lm'"),
+    (["--mesh", "batch=8", "--pipeline_schedule", "gpipe"],
+     "--pipeline_schedule set(s) a pipeline, but --mesh batch=8 has no stage axis"),
+    (["--mesh", "stage=2,batch=4", "--fsdp"],
+     "--fsdp with a stage axis in --mesh stage=2,batch=4: FSDP inside a stage is not supported"),
+    (["--mesh", "stage=2,batch=4", "--checkpoint_dir", "{dir}/ckpt"],
+     "--checkpoint_dir with a stage axis in --mesh stage=2,batch=4: checkpoints of a pipelined "
+     "run is not supported yet"),
+    (["--mesh", "stage=2,model=4"], "has no 'batch' axis"),
     # issue 60: mixture of experts
     (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe", "--moe_experts", "8",
       "--moe_top_k", "2"], ACCEPTED),
