@@ -240,8 +240,8 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
         context = out[-seq_len:]
         window = np.zeros((rows, seq_len), np.int32)
         window[:, :len(context)] = np.frombuffer(bytes(context), np.uint8)
-        logits = dtk.global_value(trainer.predict(window) if hasattr(trainer, "pipe") else
-                                  trainer.steps.predict(input_lib.pack(mesh, window)))
+        logits = (trainer.predict_value(window) if hasattr(trainer, "pipe") else
+                  dtk.global_value(trainer.steps.predict(input_lib.pack(mesh, window))))
         last = logits[0, len(context) - 1].astype(np.float64)
         if temperature <= 0:
             token = int(np.argmax(last))

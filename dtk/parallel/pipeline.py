@@ -102,10 +102,21 @@ def stage_meshes(mesh: dtensor.Mesh, axis: str = STAGE_AXIS) -> list[dtensor.Mes
     for s in range(mesh.dim_size(axis)):
         flat = [int(i) for i in ids[s].reshape(-1)]
         mine = [p for p, i in enumerate(flat) if i in local]
+        # A stage on another client's devices is a mesh without local devices here (it names
+        # its devices, as DTensor asks of such a mesh).
+        remote = [] if mine else [_device_name(mesh, i) for i in flat]
         out.append(dtensor.Mesh(rest, np.arange(len(flat)).reshape(ids[s].shape), mine,
                                 [local[flat[p]] for p in mine], mesh_name=f"{axis}{s}",
-                                use_xla_spmd=False))
+                                global_devices=remote, use_xla_spmd=False))
     return out
+
+
+def _device_name(mesh: dtensor.Mesh, device_id: int) -> str:
+    """The full name of another client's device ``device_id`` of ``mesh`` (clients hold equal,
+    consecutive blocks of device ids, as ``create_distributed_mesh`` lays them out)."""
+    per_client = len(mesh.local_device_ids())
+    task, index = divmod(device_id, per_client)
+    return f"/job:{dtensor.full_job_name(task)}/device:{mesh.device_type()}:{index}"
 
 
 def mesh_spec(mesh: dtensor.Mesh) -> str:
@@ -372,6 +383,8 @@ class Pipeline:
     models: tuple[tf_keras.Model, ...]
     plans: tuple[Any, ...]  # each stage's dtk.parallel.layouts.LayoutPlan
     units: tuple[tuple[str, ...], ...]  # each stage's units (blocks, top-level layers)
+    # What crosses from stage s to s + 1: one example's shape and the dtype.
+    crossing: tuple[tuple[tuple[int, ...], str], ...] = ()
 
     def explain(self) -> str:
         """Each stage: its devices, its units and its weights' bytes per device."""
@@ -414,7 +427,9 @@ def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table
         tf_keras.utils.set_random_seed(seed)
         whole, lazy = model_factory(), False
     parts = split(whole, len(meshes), config.boundaries)
-    units, _ = cuts(whole)
+    units, between = cuts(whole)
+    crossing = tuple((tuple(int(d) for d in between[b].shape[1:]), between[b].dtype.name)
+                     for _, b in parts[:-1])
     names = tuple(tuple(u.name for u in units[a:b + 1]) for a, b in parts)
     weights = layouts.weight_paths(whole)
 
@@ -438,4 +453,4 @@ def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table
         models.append(model)
         plans.append(plan)
     return Pipeline(mesh=mesh, meshes=tuple(meshes), models=tuple(models), plans=tuple(plans),
-                    units=names)
+                    units=names, crossing=crossing)

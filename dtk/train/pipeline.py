@@ -11,18 +11,23 @@ next stage's.
 The loss is Keras's: the weighted sum over the whole batch divided by its count of real
 examples (each microbatch's sum is divided by the whole batch's count, so the summed gradients
 are the whole batch's), plus each stage's own losses (``add_loss``, regularizers) over
-microbatches, averaged.
+microbatches, averaged. Clipping to a global norm (``global_clipnorm``) sums every stage's
+squares on the host and scales each stage's gradients by the one factor.
+
+**Across clients** (stages on different clients' devices, ``python -m dtk.cluster.launch``):
+every client runs the same driver; a client runs only its own stages' functions, and every
+transfer between stages is a collective of the whole mesh that all clients join in the same
+order (``_Exchange``). What crosses is laid out batch-sharded, its shape and dtype known from
+the model's graph, so a client that holds neither end still takes part.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.data import input as input_lib
@@ -32,18 +37,106 @@ from dtk.train.optimizers import make_loss, make_optimizer
 from dtk.train.steps import normalized_loss, weighted_loss
 
 
-def _move(t: tf.Tensor, mesh: dtensor.Mesh) -> tf.Tensor:
-    """``t`` on ``mesh`` with the same sharding: each shard copied to its device there."""
-    layout = dtensor.fetch_layout(t)
-    return dtensor.pack(dtensor.unpack(t), dtensor.Layout(layout.sharding_specs, mesh))
+def _is_local(mesh: dtensor.Mesh) -> bool:
+    return bool(mesh.local_devices())
 
 
 def _replicated(value, mesh: dtensor.Mesh, dtype) -> tf.Tensor:
-    return dtensor.copy_to_mesh(tf.constant(value, dtype), dtensor.Layout.replicated(mesh, 0))
+    return dtensor.call_with_layout(tf.fill, dtensor.Layout.replicated(mesh, 0), dims=[],
+                                    value=tf.constant(value, dtype))
 
 
 def _dense(grads):
     return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+class _Exchange:
+    """Moves tensors between stages: device to device where every stage is this process's;
+    across clients, through the whole mesh (stage x the stages' axes), where DTensor's
+    collectives reach every client: each stage's shards in its slot of a ``[stages, ...]``
+    tensor sharded over ``stage``, gathered over ``stage``, and the slot of the sending stage
+    read by the receiving stage's devices. Every client calls every transfer, in the same order
+    (each runs the same schedule); a client without the sending stage's devices sends zeros,
+    one without the receiving stage's gets None."""
+
+    def __init__(self, pipe: pipeline.Pipeline):
+        self.pipe = pipe
+        self.direct = all(_is_local(m) for m in pipe.meshes)
+        full = pipe.mesh
+        names = list(full.dim_names)
+        ids = np.moveaxis(np.asarray(full.global_device_ids()).reshape(
+            [full.dim_size(n) for n in names]), names.index(pipeline.STAGE_AXIS), 0)
+        self._where = {int(i): (s, p) for s in range(ids.shape[0])
+                       for p, i in enumerate(ids[s].reshape(-1))}
+        self._full_id = {(s, p): i for i, (s, p) in self._where.items()}
+        self._take = {}
+
+    def _gathered(self, rank: int, source: int):
+        if (rank, source) not in self._take:
+            # over the stage axis only (gathering it with the batch axis in one relayout fails
+            # to lower across clients: measured)
+            layout = dtensor.Layout([dtensor.UNSHARDED, *self._specs(rank)], self.pipe.mesh)
+
+            @tf.function
+            def take(x):
+                return tf.gather(dtensor.relayout(x, layout), source, axis=0)
+            self._take[(rank, source)] = take
+        return self._take[(rank, source)]
+
+    def _specs(self, rank: int) -> list[str]:
+        return [BATCH_AXIS] + [dtensor.UNSHARDED] * (rank - 1) if rank else []
+
+    def _on_full_mesh(self, t, source: int, shape, dtype) -> tf.Tensor:
+        """``t`` (batch-sharded on stage ``source``'s mesh, or None on a client without it) on
+        every stage's devices of the whole mesh, each device holding its rows."""
+        full, rank = self.pipe.mesh, len(shape)
+        specs = self._specs(rank)
+        shard = list(shape)
+        if rank:
+            shard[0] //= full.dim_size(BATCH_AXIS)
+        mine = {}
+        if t is not None and _is_local(self.pipe.meshes[source]):
+            mine = dict(zip(self.pipe.meshes[source].local_device_ids(), dtensor.unpack(t)))
+        parts = []
+        for i in full.local_device_ids():
+            s, p = self._where[int(i)]
+            part = mine.get(p) if s == source else None
+            parts.append(tf.zeros([1, *shard], dtype) if part is None else part[None])
+        # The collective of the whole mesh starts only once the stage's own work (and its
+        # collectives) is done, and ends before the next: collectives of two device groups in
+        # flight at once on the same devices deadlocked here (TensorFlow's CPU collectives
+        # hold a thread while they wait for their peers).
+        for part in parts:
+            part.numpy()
+        stacked = dtensor.pack(parts, dtensor.Layout([pipeline.STAGE_AXIS, *specs], full))
+        out = self._gathered(rank, source)(stacked)
+        for part in dtensor.unpack(out):
+            part.numpy()
+        return out
+
+    def move(self, t, source: int, target: int, shape, dtype):
+        """``t`` (batch-sharded, ``shape``) from stage ``source``'s mesh to ``target``'s."""
+        mesh = self.pipe.meshes[target]
+        specs = self._specs(len(shape))
+        if self.direct:  # each shard to its device on the other stage, sharded as it is
+            return dtensor.pack(dtensor.unpack(t), dtensor.Layout(
+                dtensor.fetch_layout(t).sharding_specs, mesh))
+        out = self._on_full_mesh(t, source, shape, dtype)
+        if not _is_local(mesh):  # a stand-in for the stage of another client
+            return dtensor.call_with_layout(tf.zeros, dtensor.Layout(specs, mesh), shape=shape,
+                                            dtype=dtype)
+        full = self.pipe.mesh
+        parts = dict(zip((int(i) for i in full.local_device_ids()), dtensor.unpack(out)))
+        return dtensor.pack([parts[self._full_id[(target, int(p))]]
+                             for p in mesh.local_device_ids()], dtensor.Layout(specs, mesh))
+
+    def value(self, t, source: int) -> float:
+        """A replicated scalar of stage ``source`` (None on a client without it), on every
+        client (each client joins the gather, whether it holds the stage or not)."""
+        if self.direct:
+            return float(dtensor.unpack(t)[0].numpy())
+        out = self._on_full_mesh(t, source, (), tf.float32)
+        return float(dtensor.unpack(out)[0].numpy())
 
 
 class PipelineSteps:
@@ -53,8 +146,7 @@ class PipelineSteps:
       pipe: the stages (``dtk.parallel.pipeline.build``).
       loss: as for ``dtk.Steps`` (a name, a ``tf_keras.losses.Loss``, a function).
       optimizer: a name (each stage gets its own, bound to its sub-mesh, with
-        ``optimizer_kwargs``) or a function ``mesh -> optimizer``. The optimizer must update each
-        weight from its own gradient alone: ``global_clipnorm`` would need every stage's norm.
+        ``optimizer_kwargs``) or a function ``mesh -> optimizer``.
       config: microbatches and schedule.
     """
 
@@ -62,35 +154,48 @@ class PipelineSteps:
                  config: pipeline.PipelineConfig = pipeline.PipelineConfig(),
                  optimizer_kwargs: dict | None = None):
         self.pipe, self.config = pipe, config
+        if not all(_is_local(m) for m in pipe.meshes):
+            raise ValueError(
+                f"mesh {pipeline.mesh_spec(pipe.mesh)} puts pipeline stages on other clients' "
+                "devices: stages across clients are not supported yet (the transfers between "
+                "them work, through the whole mesh; the loss's gather after the stages' steps "
+                "hangs in DTensor's collectives, BUILD.md 'Pipeline'); run the pipeline in one "
+                "process")
         self.loss_fn = make_loss(loss)
+        stages = len(pipe.models)
+        self.local = [_is_local(m) for m in pipe.meshes]
+        # Every client makes every stage's optimizer and calls every stage's functions (on
+        # another client's devices they compute nothing): DTensor's collectives of a device
+        # group wait for every client's call (a client that skipped them hung the group).
         self.optimizers = [optimizer(m) if callable(optimizer) else
                            make_optimizer(optimizer, m, **(optimizer_kwargs or {}))
                            for m in pipe.meshes]
-        # Clipping by the global norm needs every stage's gradients: each stage's sum of
+        # Clipping to the global norm needs every stage's gradients: each stage's sum of
         # squares goes to the host, and each stage scales its own by the one factor.
-        clips = {opt.global_clipnorm for opt in self.optimizers}
+        clips = {opt.global_clipnorm for opt in self.optimizers if opt is not None}
         if len(clips) > 1:
             raise ValueError(f"the stages' optimizers clip to different global norms {clips}; "
                              "give every stage the same optimizer settings")
-        self.global_clipnorm = clips.pop()
-        for opt in self.optimizers:
-            opt.global_clipnorm = None
+        self.global_clipnorm = clips.pop() if clips else None
         for opt, model in zip(self.optimizers, pipe.models):
-            opt.build(model.trainable_variables)
-        self.order = pipeline.dispatch_order(config.schedule, len(pipe.models),
-                                             config.microbatches)
+            if opt is not None:
+                opt.global_clipnorm = None
+                opt.build(model.trainable_variables)
+        self.order = pipeline.dispatch_order(config.schedule, stages, config.microbatches)
         m = config.microbatches
         self._index = [[_replicated(j, mesh, tf.int32) for j in range(m)] for mesh in pipe.meshes]
-        self._forward = [self._compile_forward(s) for s in range(len(pipe.models) - 1)]
-        self._backward = [self._compile_backward(s) for s in range(len(pipe.models) - 1)]
+        self.exchange = _Exchange(pipe)
+        self._forward = [self._compile_forward(s) for s in range(stages - 1)]
+        self._backward = [self._compile_backward(s) for s in range(stages - 1)]
         self._last = self._compile_last()
-        self._apply = [self._compile_apply(s) for s in range(len(pipe.models))]
+        self._apply = [self._compile_apply(s) for s in range(stages)]
         self._squares = [tf.function(lambda grads: tf.add_n(
-            [tf.reduce_sum(tf.square(g)) for g in grads])) for _ in pipe.models]
-        self._infer = [tf.function(lambda x, model=model: model(x, training=False))
-                       for model in pipe.models]
+            [tf.reduce_sum(tf.square(g)) for g in grads])) for _ in range(stages)]
+        self._infer = [self._compile_infer(s) for s in range(stages)]
         self._eval_loss = tf.function(lambda labels, y, weights: weighted_loss(
             self.loss_fn, labels, y, weights)[:2])
+        self._gather = tf.function(lambda t: dtensor.relayout(
+            t, dtensor.Layout.replicated(pipe.meshes[-1], t.shape.rank)))
         self.timeline: list[tuple[str, int, int, float, float]] = []  # with record=True
 
     # -- compiled parts ---------------------------------------------------------------------------
@@ -103,6 +208,13 @@ class PipelineSteps:
             return dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(mesh, 0), shape=[])
         return tf.add_n([tf.cast(l, tf.float32) for l in model.losses]) / self.config.microbatches
 
+    def _out(self, s, y):
+        """What leaves stage ``s``: batch-sharded, the one layout every client expects."""
+        if self.exchange.direct:
+            return y
+        mesh = self.pipe.meshes[s]
+        return dtensor.relayout(y, dtensor.Layout.batch_sharded(mesh, BATCH_AXIS, y.shape.rank))
+
     def _compile_forward(self, s):
         model = self.pipe.models[s]
 
@@ -110,7 +222,7 @@ class PipelineSteps:
         def forward(x, j):
             step, micro = self._scopes(s, j)
             with step, micro:
-                return model(x, training=True)
+                return self._out(s, model(x, training=True))
         return forward
 
     def _compile_backward(self, s):
@@ -130,7 +242,7 @@ class PipelineSteps:
                 objective += self._penalty(model, mesh)
             grads = _dense(tape.gradient(objective, [*variables, *([x] if needs_dx else [])]))
             acc = [a + g for a, g in zip(acc, grads)]
-            return (grads[-1] if needs_dx else None), acc
+            return (self._out(s, grads[-1]) if needs_dx else None), acc
         return backward
 
     def _compile_last(self):
@@ -147,7 +259,7 @@ class PipelineSteps:
                     tape.watch(x)
                 with step, micro:
                     y = model(x, training=True)
-                total, masked, mask = weighted_loss(self.loss_fn, labels, y, weights)
+                total, _, mask = weighted_loss(self.loss_fn, labels, y, weights)
                 if mask is not None:
                     raise ValueError(
                         "a pipelined model whose output carries a Keras mask: the loss is the "
@@ -157,7 +269,7 @@ class PipelineSteps:
                 objective = normalized_loss(self.loss_fn, total, count) + penalty
             grads = _dense(tape.gradient(objective, [*variables, *([x] if needs_dx else [])]))
             acc = [a + g for a, g in zip(acc, grads)]
-            return total, penalty, (grads[-1] if needs_dx else None), acc
+            return total, penalty, (self._out(s, grads[-1]) if needs_dx else None), acc
         return last
 
     def _compile_apply(self, s):
@@ -169,7 +281,15 @@ class PipelineSteps:
             opt.apply_gradients(zip([g * scale for g in grads], variables))
         return apply
 
+    def _compile_infer(self, s):
+        model = self.pipe.models[s]
+        return tf.function(lambda x: self._out(s, model(x, training=False)))
+
     # -- the step ---------------------------------------------------------------------------------
+    def _crossing(self, s: int, rows: int):
+        shape, dtype = self.pipe.crossing[s]
+        return (rows, *shape), tf.as_dtype(dtype)
+
     def train(self, features, labels, sample_weight=None, *, record: bool = False) -> float:
         """One step on a global batch (numpy arrays); returns the batch loss.
 
@@ -180,7 +300,7 @@ class PipelineSteps:
           ValueError: a batch the microbatches and the batch axis do not divide.
         """
         pipe, m = self.pipe, self.config.microbatches
-        stages = len(pipe.models)
+        stages, last = len(pipe.models), len(pipe.models) - 1
         features, labels = np.asarray(features), np.asarray(labels)
         rows = features.shape[0]
         size = pipe.meshes[0].dim_size(BATCH_AXIS)
@@ -192,63 +312,79 @@ class PipelineSteps:
         weights = (np.ones(rows, np.float32) if sample_weight is None
                    else np.asarray(sample_weight, np.float32))
         first, final = pipe.meshes[0], pipe.meshes[-1]
-        count = _replicated(float(weights.sum()), final, tf.float32)
+        micro = rows // m
         # Microbatch j: rows r * M + j (as gradient accumulation splits it; the draws follow).
-        inputs = {(0, j): input_lib.pack(first, features[j::m]) for j in range(m)}
-        targets = {j: input_lib.pack(final, (labels[j::m], weights[j::m])) for j in range(m)}
+        inputs = {(0, j): _place(first, features[j::m]) for j in range(m)}
+        targets = {j: _place(final, (labels[j::m], weights[j::m])) for j in range(m)}
+        count = _replicated(float(weights.sum()), final, tf.float32)
         acc = [[tf.zeros_like(v.read_value()) for v in model.trainable_variables]
                for model in pipe.models]
-        grads_in: dict[tuple[int, int], tf.Tensor] = {}
+        grads_in: dict[tuple[int, int], Any] = {}
         totals, penalties = [], []
         self.timeline = []
         for kind, s, j in self.order:
             start = time.perf_counter()
+            mine, out = self.local[s], None
             index = self._index[s][j]
             if kind == "F":
-                if s < stages - 1:
+                if s < last:  # the last stage's forward runs with its backward
                     y = self._forward[s](inputs[(s, j)], index)
-                    inputs[(s + 1, j)] = _move(y, pipe.meshes[s + 1])
+                    inputs[(s + 1, j)] = self.exchange.move(y, s, s + 1,
+                                                            *self._crossing(s, micro))
                     out = y
-                else:
-                    out = None  # the last stage's forward runs with its backward
-            elif s == stages - 1:
-                total, penalty, dx, acc[s] = self._last(inputs.pop((s, j)), *targets.pop(j),
-                                                        count, index, acc[s])
-                totals.append(total)
-                penalties.append(penalty)
-                if s:
-                    grads_in[(s - 1, j)] = _move(dx, pipe.meshes[s - 1])
-                out = total
             else:
-                dx, acc[s] = self._backward[s](inputs.pop((s, j)), grads_in.pop((s, j)), index,
-                                               acc[s])
+                x = inputs.pop((s, j))
+                if s == last:
+                    total, penalty, dx, acc[s] = self._last(x, *targets.pop(j), count, index,
+                                                            acc[s])
+                    totals.append(total)
+                    penalties.append(penalty)
+                    out = total
+                else:
+                    dx, acc[s] = self._backward[s](x, grads_in.pop((s, j)), index, acc[s])
+                    out = acc[s][0]
                 if s:
-                    grads_in[(s - 1, j)] = _move(dx, pipe.meshes[s - 1])
-                out = acc[s][0]
+                    grads_in[(s - 1, j)] = self.exchange.move(dx, s, s - 1,
+                                                              *self._crossing(s - 1, micro))
             if record:
-                if out is not None:
+                if out is not None and mine:
                     _wait(out)
                 self.timeline.append((kind, s, j, start, time.perf_counter()))
         scale = 1.0
         if self.global_clipnorm:  # tf.clip_by_global_norm's factor, over every stage's gradients
-            norm = float(np.sqrt(sum(float(self._squares[s](acc[s])) for s in range(stages))))
+            norm = float(np.sqrt(sum(self.exchange.value(self._squares[s](acc[s]), s)
+                                     for s in range(stages))))
             scale = self.global_clipnorm / max(norm, self.global_clipnorm)
         for s in range(stages):
             self._apply[s](acc[s], _replicated(scale, pipe.meshes[s], tf.float32))
-        total = float(sum(float(t) for t in totals))
+        total = sum(self.exchange.value(t, last) for t in totals)
         loss = total / float(weights.sum()) if not getattr(self.loss_fn, "sum_over_batch",
                                                            False) else total
-        return loss + float(sum(float(p) for p in penalties))
+        return loss + sum(self.exchange.value(p, last) for p in penalties)
 
-    def predict(self, features) -> tf.Tensor:
-        """The model's output for a global batch (numpy), through every stage (no dropout), on
-        the last stage's sub-mesh."""
-        x = input_lib.pack(self.pipe.meshes[0], np.asarray(features))
+    def _predict(self, features):
+        """The last stage's output for a global batch (None on a client without it)."""
+        features = np.asarray(features)
+        rows = features.shape[0]
+        x = _place(self.pipe.meshes[0], features)
         for s, infer in enumerate(self._infer):
             if s:
-                x = _move(x, self.pipe.meshes[s])
+                x = self.exchange.move(x, s - 1, s, *self._crossing(s - 1, rows))
             x = infer(x)
         return x
+
+    def predict_value(self, features) -> np.ndarray:
+        """The model's output for a global batch (numpy), through every stage (no dropout), on
+        every client."""
+        y = self._predict(features)
+        last = len(self.pipe.meshes) - 1
+        if self.exchange.direct:
+            return dtensor.unpack(self._gather(y))[0].numpy()
+        shape = (np.asarray(features).shape[0], *self.pipe.models[-1].output_shape[1:])
+        out = self.exchange._on_full_mesh(y, last, shape, tf.float32)  # pylint: disable=protected-access
+        whole = tf.function(lambda t: dtensor.relayout(  # then over batch: every row
+            t, dtensor.Layout.replicated(self.pipe.mesh, len(shape))))
+        return dtensor.unpack(whole(out))[0].numpy()
 
     def evaluate(self, features, labels, sample_weight=None) -> tuple[float, float]:
         """The weighted loss sum over a global batch and its count of real examples (0/1
@@ -256,15 +392,26 @@ class PipelineSteps:
         rows = np.asarray(features).shape[0]
         weights = (np.ones(rows, np.float32) if sample_weight is None
                    else np.asarray(sample_weight, np.float32))
-        final = self.pipe.meshes[-1]
-        y = self.predict(features)
-        labels, weights = input_lib.pack(final, (np.asarray(labels), weights))
+        last = len(self.pipe.meshes) - 1
+        y = self._predict(features)
+        labels, weights = _place(self.pipe.meshes[last], (np.asarray(labels), weights))
         total, count = self._eval_loss(labels, y, weights)
-        return float(total), float(count)
+        return self.exchange.value(total, last), self.exchange.value(count, last)
 
     @property
     def iterations(self) -> int:
-        return int(self.optimizers[0].iterations)
+        return int(self.exchange.value(tf.cast(self.optimizers[-1].iterations.read_value(),
+                                               tf.float32), len(self.optimizers) - 1))
+
+
+def _place(mesh: dtensor.Mesh, tree):
+    """Global numpy arrays sharded over ``mesh``'s batch axis; on a mesh of another client's
+    devices, stand-ins of the same shapes."""
+    if _is_local(mesh):
+        return input_lib.pack(mesh, tree)
+    return tf.nest.map_structure(lambda a: dtensor.call_with_layout(
+        tf.zeros, dtensor.Layout.batch_sharded(mesh, BATCH_AXIS, a.ndim), shape=a.shape,
+        dtype=tf.as_dtype(a.dtype)), tree)
 
 
 def _wait(t: tf.Tensor) -> None:
