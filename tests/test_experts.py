@@ -87,22 +87,23 @@ def test_the_moe_lm_trains_like_one_device(spec, top_k, group):
 
 @pytest.mark.slow
 def test_two_clients_train_the_moe_lm_like_one_device(tmp_path):
-    """2 clients x 4 devices (python -m dtk.cluster.launch) on batch=2,expert=4, top-2 with
-    dropout: batch=1's losses over 10 steps at 1e-5 and the same routing. Each client packs its
-    own devices' shards; the experts of client 0's devices and client 1's trade tokens by the
-    all-to-all across the processes."""
+    """2 clients x 4 devices (python -m dtk.cluster.launch) on batch=2,expert=4, top-1 and
+    top-2 (one launch) with dropout: batch=1's losses over 10 steps at 1e-5 and the same
+    routing. Each client packs its own devices' shards; the experts of client 0's devices and
+    client 1's trade tokens by the all-to-all across the processes."""
     out = tmp_path / "two.json"
     res = subprocess.run(
         [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
          "--devices_per_client", "4", "--", sys.executable,
          str(procs.REPO / "tests" / "mc_moe_client.py")],
         capture_output=True, text=True, timeout=240, cwd=procs.REPO,
-        env=procs.base_env(MC_OUT=str(out), MC_MESH="batch=2,expert=4", MC_TOP_K="2"))
+        env=procs.base_env(MC_OUT=str(out), MC_MESH="batch=2,expert=4", MC_TOP_K="1,2"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads(out.read_text())
-    want, stats = _one_device(2)
-    np.testing.assert_allclose(got["loss"], want, rtol=1e-5)
-    assert got["routing"] == pytest.approx(stats, rel=1e-6)
+    for k in (1, 2):
+        want, stats = _one_device(k)
+        np.testing.assert_allclose(got[str(k)]["loss"], want, rtol=1e-5, err_msg=f"top-{k}")
+        assert got[str(k)]["routing"] == pytest.approx(stats, rel=1e-6)
 
 
 def _collectives(function, *args):
