@@ -175,3 +175,33 @@ def test_a_batch_the_microbatches_do_not_divide_is_named():
     with pytest.raises(ValueError, match=r"global batch 8 is not divisible by microbatches 4 x "
                                          r"mesh axis 'batch' of size 4"):
         steps.train(x[0][:8], y[0][:8])
+
+
+@pytest.mark.slow
+def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8(tmp_path):
+    """``train_lm.py --mesh stage=2,batch=4 --microbatches 4`` (AdamW clipped to a global norm
+    of 1, dropout 0.1): the train losses and held-out bits per byte of ``--mesh batch=8``'s
+    Trainer run (1e-5) and the same generated sample."""
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    from tests import procs  # pylint: disable=import-outside-toplevel
+    common = ["--steps", "6", "--eval_every", "3", "--eval_batches", "2", "--global_batch_size",
+              "16", "--seq_len", "32", "--dim", "32", "--heads", "4", "--sample_bytes", "8",
+              "--dropout", "0.1"]
+    out = {}
+    for name, mesh in (("stages", ["--mesh", "stage=2,batch=4", "--microbatches", "4"]),
+                       ("batch8", ["--mesh", "batch=8"])):
+        summary = tmp_path / f"{name}.json"
+        res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "train_lm.py"),
+                              *common, *mesh, "--summary_json", str(summary)],
+                             capture_output=True, text=True, timeout=300, cwd=procs.REPO,
+                             env=procs.base_env())
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[name] = json.loads(summary.read_text())
+    stages, batch8 = out["stages"], out["batch8"]
+    assert stages["pipeline"]["stages"] == 2 and stages["pipeline"]["microbatches"] == 4
+    np.testing.assert_allclose(stages["train_loss"], batch8["train_loss"], rtol=1e-5)
+    np.testing.assert_allclose(stages["heldout_bits_per_byte"], batch8["heldout_bits_per_byte"],
+                               rtol=1e-5)
+    assert stages["sample"] == batch8["sample"]
