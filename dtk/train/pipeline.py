@@ -225,51 +225,51 @@ class PipelineSteps:
                 return self._out(s, model(x, training=True))
         return forward
 
-    def _compile_backward(self, s):
-        model, mesh = self.pipe.models[s], self.pipe.meshes[s]
+    def _gradients(self, s, x, j, acc, objective):
+        """Stage ``s``'s forward recomputed from ``x`` under a tape; ``objective(y)`` of its
+        output; the weights' gradients added to ``acc``, and the input's (None on stage 0).
+        Returns (what ``objective`` returned besides the scalar, the input's gradient, acc)."""
+        model = self.pipe.models[s]
         variables = model.trainable_variables
         needs_dx = s > 0
+        step, micro = self._scopes(s, j)
+        with tf.GradientTape() as tape:
+            if needs_dx:
+                tape.watch(x)
+            with step, micro:
+                y = model(x, training=True)
+            value, extra = objective(y)
+            value += self._penalty(model, self.pipe.meshes[s])
+        grads = _dense(tape.gradient(value, [*variables, *([x] if needs_dx else [])]))
+        acc = [a + g for a, g in zip(acc, grads)]
+        return extra, (self._out(s, grads[-1]) if needs_dx else None), acc
 
+    def _compile_backward(self, s):
         @tf.function
         def backward(x, dy, j, acc):
-            step, micro = self._scopes(s, j)
-            with tf.GradientTape() as tape:
-                if needs_dx:
-                    tape.watch(x)
-                with step, micro:
-                    y = model(x, training=True)
-                objective = tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(dy, tf.float32))
-                objective += self._penalty(model, mesh)
-            grads = _dense(tape.gradient(objective, [*variables, *([x] if needs_dx else [])]))
-            acc = [a + g for a, g in zip(acc, grads)]
-            return (self._out(s, grads[-1]) if needs_dx else None), acc
+            _, dx, acc = self._gradients(s, x, j, acc, lambda y: (tf.reduce_sum(
+                tf.cast(y, tf.float32) * tf.cast(dy, tf.float32)), None))
+            return dx, acc
         return backward
 
     def _compile_last(self):
         s = len(self.pipe.models) - 1
-        model, mesh = self.pipe.models[s], self.pipe.meshes[s]
-        variables = model.trainable_variables
-        needs_dx = s > 0
+
+        def objective(y, labels, weights, count):
+            total, _, mask = weighted_loss(self.loss_fn, labels, y, weights)
+            if mask is not None:
+                raise ValueError(
+                    "a pipelined model whose output carries a Keras mask: the loss is the mean "
+                    "over the whole batch's unmasked elements, which no microbatch knows; train "
+                    "it without a stage axis")
+            return normalized_loss(self.loss_fn, total, count), total
 
         @tf.function
         def last(x, labels, weights, count, j, acc):
-            step, micro = self._scopes(s, j)
-            with tf.GradientTape() as tape:
-                if needs_dx:
-                    tape.watch(x)
-                with step, micro:
-                    y = model(x, training=True)
-                total, _, mask = weighted_loss(self.loss_fn, labels, y, weights)
-                if mask is not None:
-                    raise ValueError(
-                        "a pipelined model whose output carries a Keras mask: the loss is the "
-                        "mean over the whole batch's unmasked elements, which no microbatch "
-                        "knows; train it without a stage axis")
-                penalty = self._penalty(model, mesh)
-                objective = normalized_loss(self.loss_fn, total, count) + penalty
-            grads = _dense(tape.gradient(objective, [*variables, *([x] if needs_dx else [])]))
-            acc = [a + g for a, g in zip(acc, grads)]
-            return total, penalty, (self._out(s, grads[-1]) if needs_dx else None), acc
+            total, dx, acc = self._gradients(
+                s, x, j, acc, lambda y: objective(y, labels, weights, count))
+            penalty = self._penalty(self.pipe.models[s], self.pipe.meshes[s])
+            return total, penalty, dx, acc
         return last
 
     def _compile_apply(self, s):
