@@ -181,7 +181,9 @@ def test_a_batch_the_microbatches_do_not_divide_is_named():
 def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8(tmp_path):
     """``train_lm.py --mesh stage=2,batch=4 --microbatches 4`` (AdamW clipped to a global norm
     of 1, dropout 0.1): the train losses and held-out bits per byte of ``--mesh batch=8``'s
-    Trainer run (1e-5) and the same generated sample."""
+    Trainer run (1e-5) and the same generated sample. The same pipeline on 2 clients x 4
+    devices (stage 0 on client 0's devices, stage 1 on client 1's: every activation and
+    gradient crosses between the processes) gives the one process's numbers bit for bit."""
     import json  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
@@ -190,15 +192,22 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8(tmp_path):
               "16", "--seq_len", "32", "--dim", "32", "--heads", "4", "--sample_bytes", "8",
               "--dropout", "0.1"]
     out = {}
-    for name, mesh in (("stages", ["--mesh", "stage=2,batch=4", "--microbatches", "4"]),
-                       ("batch8", ["--mesh", "batch=8"])):
+    launch = [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
+              "--devices_per_client", "4", "--"]
+    stages = ["--mesh", "stage=2,batch=4", "--microbatches", "4"]
+    for name, prefix, mesh in (("stages", [], stages), ("batch8", [], ["--mesh", "batch=8"]),
+                               ("two_clients", launch, stages)):
         summary = tmp_path / f"{name}.json"
-        res = subprocess.run([sys.executable, str(procs.REPO / "scripts" / "train_lm.py"),
+        res = subprocess.run([*prefix, sys.executable, str(procs.REPO / "scripts" / "train_lm.py"),
                               *common, *mesh, "--summary_json", str(summary)],
                              capture_output=True, text=True, timeout=300, cwd=procs.REPO,
                              env=procs.base_env())
-        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         out[name] = json.loads(summary.read_text())
+    two = out["two_clients"]
+    assert two["num_clients"] == 2
+    for key in ("train_loss", "heldout_bits_per_byte", "sample"):
+        assert two[key] == out["stages"][key], key
     stages, batch8 = out["stages"], out["batch8"]
     assert stages["pipeline"]["stages"] == 2 and stages["pipeline"]["microbatches"] == 4
     np.testing.assert_allclose(stages["train_loss"], batch8["train_loss"], rtol=1e-5)

@@ -410,7 +410,7 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
     steps = pipeline_steps.PipelineSteps(
         pipe, loss="sparse_categorical_crossentropy", optimizer="adamw", config=config,
         optimizer_kwargs={"learning_rate": FLAGS.learning_rate, "weight_decay": 0.01,
-                          "global_clipnorm": 1.0})
+                          "global_clipnorm": 1.0}, global_batch_size=FLAGS.global_batch_size)
     corpus, unigram = _load_text(say)
     train, heldout = _datasets(corpus, pipe.meshes[0], None)
     curve, train_loss, times = [], [], []

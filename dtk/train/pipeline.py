@@ -18,7 +18,10 @@ squares on the host and scales each stage's gradients by the one factor.
 every client runs the same driver; a client runs only its own stages' functions, and every
 transfer between stages is a collective of the whole mesh that all clients join in the same
 order (``_Exchange``). What crosses is laid out batch-sharded, its shape and dtype known from
-the model's graph, so a client that holds neither end still takes part.
+the model's graph, so a client that holds neither end still takes part. Every transfer is traced
+before any stage's step (``global_batch_size``): a client traces only its own stages' collectives,
+and the whole mesh's collectives traced after them got keys that differed between the clients
+and hung (measured); traced first, they agree, and 2 clients give one process's numbers.
 """
 
 from __future__ import annotations
@@ -152,15 +155,15 @@ class PipelineSteps:
 
     def __init__(self, pipe: pipeline.Pipeline, *, loss: Any, optimizer: Any = "adam",
                  config: pipeline.PipelineConfig = pipeline.PipelineConfig(),
-                 optimizer_kwargs: dict | None = None):
+                 optimizer_kwargs: dict | None = None, global_batch_size: int | None = None):
         self.pipe, self.config = pipe, config
-        if not all(_is_local(m) for m in pipe.meshes):
+        if not all(_is_local(m) for m in pipe.meshes) and not global_batch_size:
             raise ValueError(
                 f"mesh {pipeline.mesh_spec(pipe.mesh)} puts pipeline stages on other clients' "
-                "devices: stages across clients are not supported yet (the transfers between "
-                "them work, through the whole mesh; the loss's gather after the stages' steps "
-                "hangs in DTensor's collectives, BUILD.md 'Pipeline'); run the pipeline in one "
-                "process")
+                "devices: give PipelineSteps(global_batch_size=...), the rows of every batch, so "
+                "that the transfers between clients are traced before the stages' steps (their "
+                "collectives' keys must agree on every client)")
+        self._traced_rows: set[int] = set()
         self.loss_fn = make_loss(loss)
         stages = len(pipe.models)
         self.local = [_is_local(m) for m in pipe.meshes]
@@ -185,6 +188,10 @@ class PipelineSteps:
         m = config.microbatches
         self._index = [[_replicated(j, mesh, tf.int32) for j in range(m)] for mesh in pipe.meshes]
         self.exchange = _Exchange(pipe)
+        self._whole = tf.function(lambda t: dtensor.relayout(  # then over batch: every row
+            t, dtensor.Layout.replicated(pipe.mesh, t.shape.rank)))
+        if global_batch_size and not self.exchange.direct:
+            self._trace_exchanges(global_batch_size)
         self._forward = [self._compile_forward(s) for s in range(stages - 1)]
         self._backward = [self._compile_backward(s) for s in range(stages - 1)]
         self._last = self._compile_last()
@@ -197,6 +204,23 @@ class PipelineSteps:
         self._gather = tf.function(lambda t: dtensor.relayout(
             t, dtensor.Layout.replicated(pipe.meshes[-1], t.shape.rank)))
         self.timeline: list[tuple[str, int, int, float, float]] = []  # with record=True
+
+    def _trace_exchanges(self, rows: int) -> None:
+        """Traces every transfer between clients before any stage's function: the whole mesh's
+        collectives then get the same keys on every client (a client traces only its own
+        stages' collectives, so keys made after them differed, and the gather hung)."""
+        m, stages = self.config.microbatches, len(self.pipe.meshes)
+        last = stages - 1
+        self._traced_rows = {rows // m, rows, self.pipe.meshes[0].dim_size(BATCH_AXIS)}
+        for n in sorted(self._traced_rows):
+            for s in range(stages - 1):
+                shape, dtype = self._crossing(s, n)
+                self.exchange.move(None, s, s + 1, shape, dtype)
+                self.exchange.move(None, s + 1, s, shape, dtype)
+            shape = (n, *self.pipe.models[-1].output_shape[1:])  # predict_value's
+            self._whole(self.exchange._on_full_mesh(None, last, shape, tf.float32))  # pylint: disable=protected-access
+        for s in range(stages):
+            self.exchange.value(None, s)
 
     # -- compiled parts ---------------------------------------------------------------------------
     def _scopes(self, s, j):
@@ -313,6 +337,7 @@ class PipelineSteps:
                    else np.asarray(sample_weight, np.float32))
         first, final = pipe.meshes[0], pipe.meshes[-1]
         micro = rows // m
+        self._check_traced(rows // m)
         # Microbatch j: rows r * M + j (as gradient accumulation splits it; the draws follow).
         inputs = {(0, j): _place(first, features[j::m]) for j in range(m)}
         targets = {j: _place(final, (labels[j::m], weights[j::m])) for j in range(m)}
@@ -366,6 +391,7 @@ class PipelineSteps:
         """The last stage's output for a global batch (None on a client without it)."""
         features = np.asarray(features)
         rows = features.shape[0]
+        self._check_traced(rows)
         x = _place(self.pipe.meshes[0], features)
         for s, infer in enumerate(self._infer):
             if s:
@@ -382,9 +408,7 @@ class PipelineSteps:
             return dtensor.unpack(self._gather(y))[0].numpy()
         shape = (np.asarray(features).shape[0], *self.pipe.models[-1].output_shape[1:])
         out = self.exchange._on_full_mesh(y, last, shape, tf.float32)  # pylint: disable=protected-access
-        whole = tf.function(lambda t: dtensor.relayout(  # then over batch: every row
-            t, dtensor.Layout.replicated(self.pipe.mesh, len(shape))))
-        return dtensor.unpack(whole(out))[0].numpy()
+        return dtensor.unpack(self._whole(out))[0].numpy()
 
     def evaluate(self, features, labels, sample_weight=None) -> tuple[float, float]:
         """The weighted loss sum over a global batch and its count of real examples (0/1
@@ -397,6 +421,14 @@ class PipelineSteps:
         labels, weights = _place(self.pipe.meshes[last], (np.asarray(labels), weights))
         total, count = self._eval_loss(labels, y, weights)
         return self.exchange.value(total, last), self.exchange.value(count, last)
+
+    def _check_traced(self, rows: int) -> None:
+        if not self.exchange.direct and rows not in self._traced_rows:
+            raise ValueError(
+                f"a batch of {rows} rows through stages on several clients: only "
+                f"{sorted(self._traced_rows)} were traced (PipelineSteps(global_batch_size=...), "
+                "its microbatches and the batch axis); a new size would trace collectives whose "
+                "keys differ between the clients. Use the global batch size given")
 
     @property
     def iterations(self) -> int:
