@@ -151,6 +151,9 @@ class PipelineSteps:
       optimizer: a name (each stage gets its own, bound to its sub-mesh, with
         ``optimizer_kwargs``) or a function ``mesh -> optimizer``.
       config: microbatches and schedule.
+      global_batch_size: the rows of every batch ``train``, ``evaluate`` and ``predict_value``
+        will get; required when stages are on other clients' devices (every transfer between
+        clients is traced up front, so that the collectives' keys agree on every client).
     """
 
     def __init__(self, pipe: pipeline.Pipeline, *, loss: Any, optimizer: Any = "adam",
