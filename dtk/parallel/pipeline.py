@@ -419,13 +419,18 @@ def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table
     from dtk.parallel import layouts, materialize  # pylint: disable=g-import-not-at-top
     meshes = stage_meshes(mesh)
     table = layouts.load_table(table)
-    layouts.plan_layouts(table, meshes[0], model_factory, allow_replicated=allow_replicated)
     tf_keras.utils.set_random_seed(seed)
     try:
         whole, lazy = materialize.lazy_model(model_factory, None, "float32"), True
     except Exception:  # pylint: disable=broad-except  (it needs real values: a plain build)
         tf_keras.utils.set_random_seed(seed)
         whole, lazy = model_factory(), False
+    # The whole model's plan on a stage's sub-mesh, from the build above (no second build):
+    # the table's errors and warnings, once, as without stages.
+    plan = layouts._plan_model(table, meshes[0], whole, strict=False,  # pylint: disable=protected-access
+                               allow_replicated=allow_replicated)
+    for warning in plan.warnings:
+        _log.warning("layouts: %s", warning)
     parts = split(whole, len(meshes), config.boundaries)
     units, between = cuts(whole)
     crossing = tuple((tuple(int(d) for d in between[b].shape[1:]), between[b].dtype.name)
