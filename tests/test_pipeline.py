@@ -214,3 +214,83 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8(tmp_path):
     np.testing.assert_allclose(stages["heldout_bits_per_byte"], batch8["heldout_bits_per_byte"],
                                rtol=1e-5)
     assert stages["sample"] == batch8["sample"]
+
+
+
+def _restored(spec, directory, *, stages: bool):
+    """A fresh run on ``spec`` (in stages, or the whole model), restored from ``directory``:
+    ``(train a batch -> loss, model, optimizer, the loop state)``; ``model`` and ``optimizer``
+    are the stages' ``checkpoint_objects``."""
+    from dtk.train import checkpoint  # pylint: disable=import-outside-toplevel
+    if stages:
+        _, steps = _pipelined(spec, "1f1b")
+        model, opt = steps.checkpoint_objects()
+        train = steps.train
+    else:
+        mesh = dtk.build_mesh(spec)
+        model, _ = layouts.build_model(LM, mesh, "transformer_lm", seed=7)
+        opt = _adam(mesh)
+        one = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh, optimizer=opt,
+                        config=dtk.StepConfig(shard_optimizer_state=False))
+        opt.build(model.trainable_variables)
+
+        def train(x, y):
+            return float(one.train(input_lib.pack(mesh, (x, y, np.ones(len(x), np.float32)))))
+    state = checkpoint.Checkpointer(str(directory), model=model, optimizer=opt, lock=False,
+                                    host_write=stages).restore()
+    if stages:
+        steps.restored()
+    return train, model, opt, state
+
+
+def _values(model, opt) -> dict:
+    """Every variable of ``tf.train.Checkpoint(model, optimizer)`` by its checkpoint key."""
+    from dtk.train import checkpoint  # pylint: disable=import-outside-toplevel
+    out = {}
+
+    def walk(obj, prefix):
+        for name, child in tf.train.TrackableView(obj).children(obj).items():
+            if isinstance(child, tf.Variable):
+                out.setdefault(id(child), (f"{prefix}{name}", child))
+            else:
+                walk(child, f"{prefix}{name}/")
+    walk(tf.train.Checkpoint(model=model, optimizer=opt), "")
+    return {key: checkpoint.global_value(v) for key, v in out.values()}
+
+
+def _save(directory, model, opt, step) -> dict:
+    from dtk.train import checkpoint  # pylint: disable=import-outside-toplevel
+    checkpoint.Checkpointer(str(directory), model=model, optimizer=opt, lock=False,
+                            host_write=True).save(
+        {"epoch": 0, "batch_in_epoch": step}, step=step)
+    return _values(model, opt)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_stages_resumes_on_any_mesh_with_or_without_stages(tmp_path):
+    """A checkpoint of the LM trained in 2 stages (dropout 0.1, Adam) is the checkpoint of the
+    whole model: it restores, bit for bit, into the whole model on ``batch=8`` and into 4
+    stages, and each goes on with one device's losses (1e-5); the whole model's checkpoint
+    restores into 2 stages bit for bit and goes on likewise."""
+    x, y = _data()
+    want = _one_device()
+    _, steps = _pipelined("stage=2,batch=4", "1f1b")
+    for i in range(3):
+        steps.train(x[i], y[i])
+    saved = _save(tmp_path / "stages", *steps.checkpoint_objects(), 3)
+    keys = {name for name, _ in tf.train.list_variables(str(tmp_path / "stages" / "ckpt-3"))}
+    assert "model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE" in keys
+    # every weight, Adam's m and v of each trainable one, the step and the learning rate
+    assert len(saved) == len(LM().weights) + 2 * len(LM().trainable_weights) + 2
+    for spec, stages, where, begin in (("stage=4,batch=2", True, "stages", 3),
+                                       ("batch=8", False, "stages", 3),
+                                       ("stage=2,batch=4", True, "whole", 5)):
+        train, model, opt, state = _restored(spec, tmp_path / where, stages=stages)
+        restored = _values(model, opt)
+        assert state["batch_in_epoch"] == begin and set(restored) == set(saved), spec
+        for key, value in saved.items():
+            np.testing.assert_array_equal(restored[key], value, err_msg=f"{spec}: {key}")
+        losses = [train(x[i], y[i]) for i in range(begin, begin + 2)]
+        np.testing.assert_allclose(losses, want[begin:begin + 2], rtol=1e-5, err_msg=spec)
+        if spec == "batch=8":  # the whole model's checkpoint, for the stages
+            saved = _save(tmp_path / "whole", model, opt, 5)

@@ -385,6 +385,9 @@ class Pipeline:
     units: tuple[tuple[str, ...], ...]  # each stage's units (blocks, top-level layers)
     # What crosses from stage s to s + 1: one example's shape and the dtype.
     crossing: tuple[tuple[tuple[int, ...], str], ...] = ()
+    # The whole model, built with lazy variables (no storage): its object graph is what a
+    # checkpoint of the stages is saved as (dtk.train.pipeline.PipelineSteps.checkpoint_objects).
+    whole: tf_keras.Model | None = None
 
     def explain(self) -> str:
         """Each stage: its devices, its units and its weights' bytes per device."""
@@ -458,4 +461,4 @@ def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table
         models.append(model)
         plans.append(plan)
     return Pipeline(mesh=mesh, meshes=tuple(meshes), models=tuple(models), plans=tuple(plans),
-                    units=names, crossing=crossing)
+                    units=names, crossing=crossing, whole=whole)

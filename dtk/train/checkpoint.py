@@ -222,12 +222,15 @@ class Checkpointer:
         before any step, so the whole group stops at once.
       asynchronous: write checkpoints in a background thread (``save`` returns once the values
         are copied; ``wait`` waits for the write).
+      host_write: write through host copies of each client's shards (as ``asynchronous``
+        does, then wait), not DTensor's save: needed where the variables live on several
+        meshes (a pipeline's stages), which one DTensor save cannot span.
     """
 
     def __init__(self, directory: str, *, model: tf_keras.Model, optimizer: Any,
                  metrics: Sequence[Any] = (), max_to_keep: int = 3,
                  mesh: dtensor.Mesh | None = None, lock: bool = True,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, host_write: bool = False):
         if not directory:
             raise ValueError("checkpoint directory is empty; give a path")
         if max_to_keep < 1:
@@ -266,6 +269,7 @@ class Checkpointer:
         self.max_to_keep = max_to_keep
         self._paths = [p for p in self.candidates() if os.path.exists(p + ".index")][::-1]
         self.asynchronous = asynchronous
+        self.host_write = host_write
         self._pending: tuple[str, threading.Thread, list] | None = None
 
     @property
@@ -326,9 +330,11 @@ class Checkpointer:
             self._check_no_other_writer()
         try:
             os.makedirs(self.directory, exist_ok=True)
-            if self.asynchronous:
+            if self.asynchronous or self.host_write:
                 self._start_async_write(target)
-                return target
+                if self.asynchronous:
+                    return target
+                return self.wait()
             path = self._checkpoint.write(target)
             context.async_wait()
         except (OSError, tf.errors.OpError) as e:
@@ -497,9 +503,23 @@ class Checkpointer:
     def _restore_one(self, path: str) -> dict[str, Any]:
         self._check_shapes(path)
         try:
-            status = self._checkpoint.restore(path)
-            status.assert_existing_objects_matched()
-            status.assert_consumed()
+            if self.host_write:
+                self._host_restore(path)
+            elif self._same_metrics(path):
+                status = self._checkpoint.restore(path)
+                status.assert_existing_objects_matched()
+                status.assert_consumed()
+            else:
+                # Written with other metrics (a pipelined run keeps none; a Trainer keeps its
+                # compiled ones): the model, optimizer and loop state restore, every one of
+                # them matched; the metrics' running sums start from zero.
+                status = tf.train.Checkpoint(model=self._checkpoint.model,
+                                             optimizer=self._checkpoint.optimizer,
+                                             loop=self._state).restore(path)
+                status.assert_existing_objects_matched()
+                status.expect_partial()
+                _log.info("checkpoint %s holds other metrics than this run's: its metrics start "
+                          "from zero (the model, optimizer and loop state are restored)", path)
         except (AssertionError, ValueError, tf.errors.OpError) as e:
             _clear_async_error()  # a failed async DTensor op would poison later ops
             raise ValueError(
@@ -510,6 +530,52 @@ class Checkpointer:
         self.run_id = self._state.value.get("run_id") or self.run_id
         return dict(self._state.value)
 
+
+    def _host_restore(self, path: str) -> None:
+        """Restores through host copies, each value read from the files and this client's
+        shards sent to its devices (``dtk.parallel.materialize.assign_global``): one DTensor
+        restore cannot span several meshes (a pipeline's stages). As strict as the object-graph
+        restore: every variable of this run is in the checkpoint and every model or optimizer
+        value of the checkpoint has its variable (metrics, where they differ, start from zero).
+
+        Raises:
+          ValueError: a variable missing on either side, naming the first few.
+        """
+        from dtk.parallel import materialize  # pylint: disable=g-import-not-at-top
+        reader = tf.train.load_checkpoint(path)
+        saved = set(reader.get_variable_to_shape_map())
+        same_metrics = self._same_metrics(path)
+        serialized = self._checkpoint._saver._gather_serialized_tensors(None)[0]  # pylint: disable=protected-access
+        targets = {}
+        for trackable, tensors in serialized.items():
+            for key in tensors:
+                if key.startswith("metrics/") and not same_metrics:
+                    continue
+                targets[key] = getattr(trackable, "_obj", trackable)  # under TF's converter
+        missing = sorted(k for k in targets if k not in saved and not k.startswith("save_counter/"))
+        extra = sorted(k for k in saved if k.split("/")[0] in ("model", "optimizer")
+                       and k not in targets)
+        if missing or extra:
+            raise ValueError(f"variables of this run not in the checkpoint: {missing[:3]}; "
+                             f"values of the checkpoint this run has no variable for: {extra[:3]}")
+        for key, trackable in targets.items():
+            if key not in saved:
+                continue
+            if isinstance(trackable, tf.Variable):
+                try:
+                    dtensor.fetch_layout(getattr(trackable, "_variable", trackable))
+                except Exception:  # pylint: disable=broad-except  (a plain variable)
+                    trackable.assign(reader.get_tensor(key))
+                    continue
+                materialize.assign_global(trackable, lambda key=key: reader.get_tensor(key))
+            elif hasattr(trackable, "deserialize"):  # the loop state
+                trackable.deserialize(reader.get_tensor(key))
+        context.async_wait()
+
+    def _same_metrics(self, path: str) -> bool:
+        """Whether ``path`` holds as many metric variables as this checkpointer's metrics."""
+        saved = [name for name, _ in tf.train.list_variables(path) if name.startswith("metrics/")]
+        return len(saved) == sum(len(m.variables) for m in self._checkpoint.metrics)
 
     def _check_shapes(self, path: str) -> None:
         """Compares the saved model weights' shapes with the model's, before touching any variable.
@@ -554,9 +620,12 @@ def _host_snapshot(checkpoint: tf.train.Checkpoint) -> tuple[list[str], list[str
             if layout is None and isinstance(tensor, tf.Tensor) and dtensor.is_dtensor(tensor):
                 layout = dtensor.fetch_layout(tensor)
             if layout is None or layout.is_fully_replicated():
-                if layout is not None:
+                # written once: by client 0, or, on a mesh, by the client of its first device
+                # (a pipeline stage's mesh may hold none of client 0's)
+                writes = lead if layout is None else _holds_first_device(layout.mesh)
+                if layout is not None and writes:
                     tensor = dtensor.unpack(tensor)[0]
-                if lead:
+                if writes:
                     names.append(key)
                     slices.append("")
                     values.append(tensor.numpy())
@@ -578,6 +647,11 @@ def _host_snapshot(checkpoint: tf.train.Checkpoint) -> tuple[list[str], list[str
                 slices.append(" ".join(map(str, shape)) + " " + ":".join(spans))
                 values.append(shard.numpy())
     return names, slices, values
+
+
+def _holds_first_device(mesh: dtensor.Mesh) -> bool:
+    first = int(np.ravel(mesh.global_device_ids())[0])
+    return first in {int(i) for i in mesh.local_device_ids()}
 
 
 def _posted(key: str) -> None:

@@ -433,10 +433,125 @@ class PipelineSteps:
                 "its microbatches and the batch axis); a new size would trace collectives whose "
                 "keys differ between the clients. Use the global batch size given")
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_objects(self) -> tuple[Any, Any]:
+        """The whole model and its optimizer as ``dtk.Trainer`` checkpoints them, holding the
+        stages' variables.
+
+        ``tf.train.Checkpoint(model=m, optimizer=o)`` of the pair writes the checkpoint a Trainer
+        of the whole model writes: the same object graph (the whole model's, from its lazy build;
+        the optimizer's as it builds on the whole model's weights), each value a stage's. So it
+        resumes on any mesh, with stages or without, and restores a Trainer's checkpoint into the
+        stages. After a restore, call ``restored()``.
+
+        Raises:
+          ValueError: a weight of the whole model that no stage holds, or optimizer state that
+            cannot be told apart by name.
+        """
+        from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
+        from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+        whole = self.pipe.whole
+        if whole is None:
+            raise ValueError("this Pipeline keeps no whole model (Pipeline.whole); build it with "
+                             "dtk.parallel.pipeline.build")
+        held = {}
+        for model in self.pipe.models:
+            held.update(layouts.weight_paths(model))
+        replace = {}
+        for path, variable in layouts.weight_paths(whole):
+            if path not in held:
+                raise ValueError(f"weight {path} of the whole model is in no stage")
+            replace[id(variable)] = replace[id(getattr(variable, "_variable", variable))] = \
+                held[path]
+        model_view = _mirror(whole, replace, {}, "model", _ModelView)
+        # Not an attribute AutoTrackable would track (the checkpoint would hold them twice).
+        object.__setattr__(model_view, "_dtk_weights",
+                           [held[path] for path, _ in layouts.weight_paths(whole)])
+
+        # The optimizer the Trainer builds on the whole model's weights (lazy: no storage) gives
+        # the graph and the order of its slots; each slot is then the stage's of the same name.
+        first = self.optimizers[0]
+        with lazy_variable.lazy_init_scope():
+            twin = type(first).from_config(first.get_config())
+            twin.build(whole.trainable_variables)
+        slots: dict[str, tf.Variable] = {}
+        for opt in self.optimizers:
+            for variable in opt.variables:
+                if variable is opt.iterations or variable is opt._learning_rate:  # pylint: disable=protected-access
+                    continue
+                if variable.name in slots:
+                    raise ValueError(f"two stages' optimizer state named {variable.name}: a "
+                                     "checkpoint cannot tell them apart; name the model's layers")
+                slots[variable.name] = variable
+        plan = {id(twin.iterations): first.iterations}
+        rate = getattr(twin, "_learning_rate", None)
+        if isinstance(rate, tf.Variable):
+            plan[id(rate)] = first._learning_rate  # pylint: disable=protected-access
+        for variable in twin.variables:
+            if id(variable) not in plan:
+                if variable.name not in slots:
+                    raise ValueError(f"optimizer state {variable.name} is in no stage")
+                plan[id(variable)] = slots[variable.name]
+        return model_view, _mirror(twin, plan, {}, "optimizer", _Node)
+
+    def restored(self) -> None:
+        """After restoring ``checkpoint_objects``: every stage's step counter and learning
+        rate are stage 0's (the checkpoint holds one of each, as a Trainer's does)."""
+        first = self.optimizers[0]
+        step = int(self.exchange.value(tf.cast(first.iterations.read_value(), tf.float32), 0))
+        rate = first._learning_rate  # pylint: disable=protected-access
+        value = (self.exchange.value(rate.read_value(), 0) if isinstance(rate, tf.Variable)
+                 else None)
+        for opt in self.optimizers[1:]:
+            opt.iterations.assign(step)
+            if value is not None:
+                opt._learning_rate.assign(value)  # pylint: disable=protected-access
+
     @property
     def iterations(self) -> int:
         return int(self.exchange.value(tf.cast(self.optimizers[-1].iterations.read_value(),
                                                tf.float32), len(self.optimizers) - 1))
+
+
+class _Node(tf.__internal__.tracking.AutoTrackable):
+    """A node of a checkpoint's object graph, its children named as another object's."""
+
+
+class _ModelView(_Node):
+    """The whole model's node; ``weights`` (the stages' variables in the whole model's order)
+    is what ``dtk.train.checkpoint.Checkpointer`` compares a checkpoint's shapes with."""
+
+    @property
+    def weights(self) -> list:
+        return self.__dict__.get("_dtk_weights", [])
+
+
+def _mirror(obj, replace: dict[int, tf.Variable], memo: dict[int, Any], where: str,
+            kind: type) -> Any:
+    """A node whose checkpoint is ``obj``'s, with each variable ``v`` saved as
+    ``replace[id(v)]``; None where no variable is below. ``memo`` keeps an object reached by two
+    paths one node (a checkpoint saves it once).
+
+    Raises:
+      ValueError: a variable below ``obj`` that ``replace`` lacks (it would not be saved).
+    """
+    if id(obj) in memo:
+        return memo[id(obj)]
+    node = memo[id(obj)] = kind()
+    found = False
+    for name, child in tf.train.TrackableView(obj).children(obj).items():
+        if id(child) in replace:
+            target = replace[id(child)]
+        elif isinstance(child, tf.Variable):
+            raise ValueError(f"{where}/{name}: a variable no stage holds")
+        else:
+            target = _mirror(child, replace, memo, f"{where}/{name}", _Node)
+        if target is not None:
+            node._track_trackable(target, name=name)  # pylint: disable=protected-access
+            found = True
+    if not found:
+        memo[id(obj)] = None
+    return node if found else None
 
 
 def _place(mesh: dtensor.Mesh, tree):
