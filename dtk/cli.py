@@ -237,7 +237,7 @@ def devices_to_plan_for(values: Callable[[str], Any], kind: str) -> int:
 
 def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input_dtype: str,
                     num_classes: int, table, remat_patterns, optimizer: str,
-                    global_batch_size: int):
+                    global_batch_size: int, pipeline: bool = False):
     """Runs the planner for ``--mesh auto`` / ``--explain_plan`` over every device this run has.
 
     Returns the ``dtk.planning.planner.Plan``. ``--fsdp``, ``--remat``, ``--grad_accum`` and the update
@@ -280,7 +280,8 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
                             device_memory_gb=values("device_memory_gb"), table=table,
                             input_shape=input_shape, input_dtype=input_dtype,
                             num_classes=num_classes, optimizer=optimizer,
-                            remat_patterns=remat_patterns, device_type=kind)
+                            remat_patterns=remat_patterns, device_type=kind,
+                            pipeline=pipeline)
     except planner.PlanError as e:
         raise UsageError(f"--mesh auto: {e}") from None
     if values("plot"):
@@ -352,7 +353,11 @@ def plan_summary(plan) -> dict[str, Any] | None:
             "bytes_per_device": plan.chosen.memory,
             **({"experts_bytes_per_device": plan.chosen.experts_bytes,
                 "all_to_all_bytes_per_step": plan.chosen.all_to_all_bytes}
-               if plan.chosen.experts_bytes else {})}
+               if plan.chosen.experts_bytes else {}),
+            **({"stages": plan.chosen.stages, "microbatches": plan.chosen.microbatches,
+                "bubble": plan.chosen.bubble,
+                "boundary_bytes_per_step": plan.chosen.boundary_bytes}
+               if plan.chosen.stages > 1 else {})}
 
 
 # -- output paths ---------------------------------------------------------------------------------

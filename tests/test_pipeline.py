@@ -178,42 +178,69 @@ def test_a_batch_the_microbatches_do_not_divide_is_named():
 
 
 @pytest.mark.slow
-def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8(tmp_path):
+def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_any_mesh(tmp_path):
     """``train_lm.py --mesh stage=2,batch=4 --microbatches 4`` (AdamW clipped to a global norm
-    of 1, dropout 0.1): the train losses and held-out bits per byte of ``--mesh batch=8``'s
-    Trainer run (1e-5) and the same generated sample. The same pipeline on 2 clients x 4
-    devices (stage 0 on client 0's devices, stage 1 on client 1's: every activation and
-    gradient crosses between the processes) gives the one process's numbers bit for bit."""
+    of 1, dropout 0.1): 3 steps give the train loss and held-out bits per byte of ``--mesh
+    batch=8``'s Trainer run at step 3 (1e-5). Its checkpoint (``--checkpoint_dir``) is the
+    Trainer's: resumed to step 6 on ``batch=8`` (the Trainer) and in 4 stages, each gives the
+    uninterrupted ``batch=8`` run's losses, held-out bits per byte (1e-5) and sample. The same
+    pipeline on 2 clients x 4 devices (stage 0 on client 0's devices, stage 1 on client 1's:
+    every activation and gradient crosses between the processes) gives the one process's
+    numbers bit for bit."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
     import json  # pylint: disable=import-outside-toplevel
+    import shutil  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
     from tests import procs  # pylint: disable=import-outside-toplevel
-    common = ["--steps", "6", "--eval_every", "3", "--eval_batches", "2", "--global_batch_size",
-              "16", "--seq_len", "32", "--dim", "32", "--heads", "4", "--sample_bytes", "8",
+    common = ["--eval_every", "3", "--eval_batches", "2", "--global_batch_size", "16",
+              "--seq_len", "32", "--dim", "32", "--heads", "4", "--sample_bytes", "8",
               "--dropout", "0.1"]
-    out = {}
     launch = [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
               "--devices_per_client", "4", "--"]
     stages = ["--mesh", "stage=2,batch=4", "--microbatches", "4"]
-    for name, prefix, mesh in (("stages", [], stages), ("batch8", [], ["--mesh", "batch=8"]),
-                               ("two_clients", launch, stages)):
+    ckpt = tmp_path / "stages_ckpt"
+
+    def run(name, *args, prefix=()):
         summary = tmp_path / f"{name}.json"
         res = subprocess.run([*prefix, sys.executable, str(procs.REPO / "scripts" / "train_lm.py"),
-                              *common, *mesh, "--summary_json", str(summary)],
+                              *common, *args, "--summary_json", str(summary)],
                              capture_output=True, text=True, timeout=300, cwd=procs.REPO,
                              env=procs.base_env())
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        out[name] = json.loads(summary.read_text())
-    two = out["two_clients"]
+        assert res.returncode == 0, name + res.stdout[-3000:] + res.stderr[-3000:]
+        return json.loads(summary.read_text()), res
+
+    # at most two single-process runs at once (4 TensorFlow processes with the test workers)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        straight = pool.submit(run, "batch8", "--steps", "6", "--mesh", "batch=8")
+        first, _ = run("stages", "--steps", "3", *stages, "--checkpoint_dir", str(ckpt))
+        batch8, _ = straight.result()
+    for copy in ("to_batch8", "to_stage4"):
+        shutil.copytree(ckpt, tmp_path / copy)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        on_batch8 = pool.submit(run, "to_batch8", "--steps", "6", "--mesh", "batch=8",
+                                "--checkpoint_dir", str(tmp_path / "to_batch8"))
+        in_four, _ = run("to_stage4", "--steps", "6", "--mesh", "stage=4,batch=2",
+                         "--microbatches", "2", "--checkpoint_dir", str(tmp_path / "to_stage4"))
+        on_batch8, res = on_batch8.result()
+    two, _ = run("two_clients", "--steps", "3", *stages, prefix=launch)
+
+    assert first["pipeline"]["stages"] == 2 and first["pipeline"]["microbatches"] == 4
+    np.testing.assert_allclose(first["train_loss"], batch8["train_loss"][:1], rtol=1e-5)
+    np.testing.assert_allclose(first["heldout_bits_per_byte"],
+                               batch8["heldout_curve"][0]["heldout_bits_per_byte"], rtol=1e-5)
+    said = res.stdout + res.stderr
+    assert "resumes exactly across meshes" in said and "Resumed from" in said, said[-3000:]
+    for name, resumed in (("batch=8", on_batch8), ("stage=4,batch=2", in_four)):
+        assert resumed["steps"] == 6 and resumed["resume_changes"] == {}, name
+        np.testing.assert_allclose(resumed["train_loss"], batch8["train_loss"], rtol=1e-5,
+                                   err_msg=name)
+        np.testing.assert_allclose(resumed["heldout_bits_per_byte"],
+                                   batch8["heldout_bits_per_byte"], rtol=1e-5, err_msg=name)
+        assert resumed["sample"] == batch8["sample"], name
     assert two["num_clients"] == 2
     for key in ("train_loss", "heldout_bits_per_byte", "sample"):
-        assert two[key] == out["stages"][key], key
-    stages, batch8 = out["stages"], out["batch8"]
-    assert stages["pipeline"]["stages"] == 2 and stages["pipeline"]["microbatches"] == 4
-    np.testing.assert_allclose(stages["train_loss"], batch8["train_loss"], rtol=1e-5)
-    np.testing.assert_allclose(stages["heldout_bits_per_byte"], batch8["heldout_bits_per_byte"],
-                               rtol=1e-5)
-    assert stages["sample"] == batch8["sample"]
+        assert two[key] == first[key], key
 
 
 

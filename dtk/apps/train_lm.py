@@ -175,12 +175,21 @@ def _check_moe_mesh(mesh, table) -> None:
 # What a pipelined run (a stage axis) does not do yet, each refused with the flag's name.
 PIPELINE_REFUSED = {
     "fsdp": "FSDP inside a stage", "remat": "remat inside a stage (each stage's backward already "
-    "recomputes its forward)", "checkpoint_dir": "checkpoints of a pipelined run",
+    "recomputes its forward)",
     "export_dir": "export of a pipelined run", "tensorboard_dir": "TensorBoard logs of a "
-    "pipelined run", "async_checkpoints": "checkpoints of a pipelined run",
+    "pipelined run",
     "mixed_precision": "mixed precision in a pipeline", "moe_experts": "experts in a pipeline",
-    "explain_plan": "pipeline candidates in the planner",
 }
+
+
+# The model settings a flag sets, named by the flag in a resume's check (dtk.train.resume).
+SETTING_NAMES = (("model.*:Dropout.rate", "dropout"),
+                 ("model.*:MultiHeadAttention.dropout", "dropout"),
+                 ("model.*:BlockwiseAttention.dropout", "dropout"),
+                 ("model.*:MixtureOfExperts.num_experts", "moe_experts"),
+                 ("model.*:MixtureOfExperts.top_k", "moe_top_k"),
+                 ("model.*:MixtureOfExperts.capacity_factor", "moe_capacity_factor"),
+                 ("model.*:MixtureOfExperts.group_size", "moe_group_size"))
 
 
 def _is_pipeline() -> bool:
@@ -282,7 +291,7 @@ def _setup():
             lambda name: getattr(FLAGS, name, None), factory, input_shape=(FLAGS.seq_len,),
             input_dtype="int32", num_classes=text.VOCAB, table=table,
             remat_patterns=models.MODEL_SPECS["lm"].remat, optimizer="adamw",
-            global_batch_size=FLAGS.global_batch_size)
+            global_batch_size=FLAGS.global_batch_size, pipeline=True)
         if FLAGS.explain_plan:
             return None, None, table, factory, None, None, auto_plan
         cli.apply_plan(FLAGS, auto_plan)
@@ -413,29 +422,62 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
                           "global_clipnorm": 1.0}, global_batch_size=FLAGS.global_batch_size)
     corpus, unigram = _load_text(say)
     train, heldout = _datasets(corpus, pipe.meshes[0], None)
-    curve, train_loss, times = [], [], []
+    curve, times = [], []
+    history: dict = {"epochs": [], "logs": {"loss": [], "val_loss": []}}
     tokens_per_epoch = FLAGS.eval_every * FLAGS.global_batch_size * FLAGS.seq_len
+    saver, settings, changes = None, None, {}
+    epoch, skip = 0, 0
+    if FLAGS.checkpoint_dir:
+        saver, settings = _pipeline_checkpointer(pipe, steps, train)
+        state = saver.restore() if not FLAGS.restart_from_scratch else None
+        if FLAGS.restart_from_scratch and dtk.cluster.env.is_lead_client() and saver.candidates():
+            say(f"restart_from_scratch: removing the checkpoints in {FLAGS.checkpoint_dir}")
+            saver.clear()
+        if state is not None:
+            epoch, skip, changes = _resume_pipeline(state, settings, saver, steps, train, say)
+            history = state["history"]
 
     def heldout_loss():
         sums = [steps.evaluate(*batch[:3]) for batch in heldout.global_batches(0)]
         return sum(t for t, _ in sums) / sum(c for _, c in sums), int(sum(c for _, c in sums))
 
-    done = 0
-    for epoch in range(-(-FLAGS.steps // FLAGS.eval_every)):
+    done = steps.iterations
+    for epoch in range(epoch, -(-FLAGS.steps // FLAGS.eval_every)):
         start, losses = time.perf_counter(), []
-        for batch in train.global_batches(epoch):
+        for i, batch in enumerate(train.global_batches(epoch)):
             if done == FLAGS.steps:
                 break
+            if i < skip:  # trained before the checkpoint this run resumed from
+                continue
             began = time.perf_counter()
             losses.append(steps.train(*batch[:3]))
             times.append(time.perf_counter() - began)
             done += 1
-        train_loss.append(float(np.mean(losses)))
-        bpb = text.bits_per_byte(heldout_loss()[0])
+        skip = 0
+        if not losses:
+            continue
+        loss = heldout_loss()[0]
+        bpb = text.bits_per_byte(loss)
+        position = done - epoch * train.num_batches
+        if saver is not None and position < train.num_batches:
+            # stopped inside the epoch (--steps): its position, as dtk.Trainer saves it (the
+            # history without the partial epoch, which a resume trains again)
+            saver.save({"epoch": epoch, "batch_in_epoch": position,
+                        "steps_per_epoch": train.num_batches, "auto_steps_per_call": None,
+                        "settings": settings, "history": history}, step=done)
+        history["epochs"].append(epoch)
+        history["logs"].setdefault("loss", []).append(float(np.mean(losses)))
+        history["logs"].setdefault("val_loss", []).append(loss)
         curve.append({"step": done, "heldout_bits_per_byte": bpb})
-        say(f"step {done}: train loss {train_loss[-1]:.4f}, held-out {bpb:.3f} bits/byte "
-            f"(unigram {unigram:.3f}), "
+        say(f"step {done}: train loss {history['logs']['loss'][-1]:.4f}, held-out {bpb:.3f} "
+            f"bits/byte (unigram {unigram:.3f}), "
             f"{tokens_per_epoch / (time.perf_counter() - start):,.0f} tokens/s", flush=True)
+        if saver is not None and position == train.num_batches:  # as dtk.Trainer at an epoch's end
+            saver.save({"epoch": epoch + 1, "batch_in_epoch": 0,
+                        "steps_per_epoch": train.num_batches, "auto_steps_per_call": None,
+                        "settings": settings, "history": history}, step=done)
+    if saver is not None:
+        saver.close()
     loss, windows = heldout_loss()
     heldout_bpb = text.bits_per_byte(loss)
     say(f"held-out: {heldout_bpb:.3f} bits/byte vs {unigram:.3f} for the byte unigram "
@@ -453,15 +495,61 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
                      "bubble": pipeline.bubble(stages, config.microbatches)},
         "planned_bytes_per_device": max(memory, key=lambda m: m["total"]),
         "planned_bytes_per_device_by_stage": memory,
+        "resume_changes": changes, "run_id": saver.run_id if saver is not None else None,
         "steps": done, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim, "heads": FLAGS.heads,
         "layers": FLAGS.layers, "global_batch_size": FLAGS.global_batch_size,
-        "train_loss": train_loss, "heldout_curve": curve, "heldout_bits_per_byte": heldout_bpb,
+        "train_loss": history["logs"]["loss"], "heldout_curve": curve,
+        "heldout_bits_per_byte": heldout_bpb,
         "unigram_bits_per_byte": unigram,
         "ms_per_step_median": 1000 * statistics.median(times[1:] or times),
         "first_step_s": times[0] if times else None,
         "sample": sample.decode("utf-8", errors="replace"),
         "wall_s": time.perf_counter() - _START,
     }
+
+
+def _pipeline_checkpointer(pipe, steps, train):
+    """The checkpointer of a pipelined run, and the settings it records: the checkpoint is the
+    whole model's, as the Trainer writes it (``PipelineSteps.checkpoint_objects``), so either
+    resumes the other, on any mesh."""
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    from dtk.train import checkpoint, resume  # pylint: disable=g-import-not-at-top
+    model, optimizer = steps.checkpoint_objects()
+    saver = checkpoint.Checkpointer(FLAGS.checkpoint_dir, model=model, optimizer=optimizer,
+                                    mesh=pipe.mesh, host_write=True,
+                                    asynchronous=FLAGS.async_checkpoints)
+    sizes = dict(zip(pipe.mesh.dim_names, (pipe.mesh.dim_size(n) for n in pipe.mesh.dim_names)))
+    settings = resume.named(resume.settings(
+        seed=FLAGS.seed, optimizer=steps.optimizers[0], model=pipe.whole, data=train,
+        mesh=",".join(f"{k}={v}" for k, v in sizes.items()),
+        num_clients=dtk.cluster.env.num_clients(),
+        extra={"corpus": FLAGS.text_file or "stdlib"}), SETTING_NAMES)
+    return saver, settings
+
+
+def _resume_pipeline(state, settings, saver, steps, train, say):
+    """Checks a restored checkpoint's settings, as the Trainer does; ``(epoch, batches of it
+    trained, the changes allowed)``."""
+    import dtk.cluster.env  # pylint: disable=g-import-not-at-top
+    from dtk.train import resume  # pylint: disable=g-import-not-at-top
+    changes = resume.check(resume.named(state.get("settings") or {}, SETTING_NAMES), settings,
+                           allow_change=FLAGS.allow_change, restored=saver.restored,
+                           lead=dtk.cluster.env.is_lead_client())
+    steps.restored()
+    rate = changes.get("learning_rate", {}).get("new")
+    if isinstance(rate, float):
+        for opt in steps.optimizers:
+            opt.learning_rate.assign(rate)
+    epoch, skip = int(state["epoch"]), int(state["batch_in_epoch"])
+    if state.get("steps_per_epoch") != train.num_batches:
+        raise UsageError(f"checkpoint {saver.restored} was written with "
+                         f"{state.get('steps_per_epoch')} steps per epoch, this run has "
+                         f"{train.num_batches} (--eval_every); use the same, or a new "
+                         "--checkpoint_dir")
+    if skip >= train.num_batches:
+        epoch, skip = epoch + 1, 0
+    say(f"resumed from {saver.restored}: step {steps.iterations}", flush=True)
+    return epoch, skip, changes
 
 
 def run() -> dict:
@@ -501,19 +589,7 @@ def run() -> dict:
                                  restart_from_scratch=FLAGS.restart_from_scratch,
                                  allow_change=tuple(FLAGS.allow_change),
                                  settings={"corpus": FLAGS.text_file or "stdlib"},
-                                 # the model settings --dropout sets, named by the flag
-                                 setting_names=(("model.*:Dropout.rate", "dropout"),
-                                                ("model.*:MultiHeadAttention.dropout",
-                                                 "dropout"),
-                                                ("model.*:BlockwiseAttention.dropout",
-                                                 "dropout"),
-                                                ("model.*:MixtureOfExperts.num_experts",
-                                                 "moe_experts"),
-                                                ("model.*:MixtureOfExperts.top_k", "moe_top_k"),
-                                                ("model.*:MixtureOfExperts.capacity_factor",
-                                                 "moe_capacity_factor"),
-                                                ("model.*:MixtureOfExperts.group_size",
-                                                 "moe_group_size")),
+                                 setting_names=SETTING_NAMES,
                                  shard_optimizer_state=("auto" if FLAGS.shard_optimizer_state is None
                                                         else FLAGS.shard_optimizer_state),
                                  max_steps=FLAGS.steps, verbose=1 if lead else 0,

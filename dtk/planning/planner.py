@@ -164,6 +164,12 @@ class Candidate:
     # ``memory``'s weights and optimizer), and the bytes a device sends by all-to-all a step.
     experts_bytes: int = 0
     all_to_all_bytes: int = 0
+    # Pipeline stages (a ``stage`` axis, dtk.parallel.pipeline; 1: none): the idle share of a
+    # step ``(S - 1) / (M + S - 1)`` and the bytes a step moves across the stage boundaries
+    # (activations forward, their gradients back). ``memory`` is the largest stage's.
+    stages: int = 1
+    bubble: float = 0.0
+    boundary_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -174,7 +180,9 @@ class Candidate:
         parts = [self.mesh, self.update]
         if self.remat:
             parts.append("remat")
-        if self.microbatches > 1:
+        if self.stages > 1:
+            parts.append(f"1f1b microbatches={self.microbatches}")
+        elif self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
         return " ".join(parts)
 
@@ -182,7 +190,7 @@ class Candidate:
     def config(self) -> dict[str, Any]:
         """What the Trainer and the scripts take: mesh, fsdp, remat, grad accumulation."""
         return {"mesh": self.mesh, "fsdp": self.update == "fsdp", "remat": self.remat,
-                "gradient_accumulation_steps": self.microbatches}
+                "gradient_accumulation_steps": self.microbatches, "stages": self.stages}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -736,6 +744,131 @@ def enumerate_candidates(profile: ModelProfile, table, *, devices: int, global_b
     return out
 
 
+# -- pipeline candidates ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageSplit:
+    """A model cut into stages (``dtk.parallel.pipeline.split``): each stage's top-level layer
+    names, and the elements and itemsize of one example's tensor crossing each boundary."""
+
+    layers: tuple[frozenset[str], ...]
+    crossing: tuple[tuple[int, int], ...]
+
+
+def stage_splits(model_factory: Callable[[], Any], input_shape, input_dtype, devices: int
+                 ) -> dict[int, StageSplit]:
+    """Each stage count a pipeline of ``devices`` can have (a divisor of it, 2 or more, up to
+    the model's units), balanced as ``dtk.parallel.pipeline.build`` balances them; {} for a model
+    without boundaries (a subclassed model)."""
+    from dtk.parallel import materialize, pipeline  # pylint: disable=g-import-not-at-top
+    shape = None if isinstance(input_shape, dict) else input_shape
+    try:
+        model = materialize.lazy_model(model_factory, shape, input_dtype if isinstance(
+            input_dtype, str) else "float32")
+        units, between = pipeline.cuts(model)
+    except Exception:  # pylint: disable=broad-except  (no graph to cut: no pipeline candidate)
+        return {}
+    out = {}
+    for stages in range(2, min(devices, len(units)) + 1):
+        if devices % stages:
+            continue
+        try:
+            parts = pipeline.split(model, stages)
+        except ValueError:
+            continue
+        names = tuple(frozenset(layer.name for layer in pipeline.stage_model(
+            model, parts, s).layers) for s in range(stages))
+        crossing = tuple((int(between[b].shape[1:].num_elements()), between[b].dtype.size)
+                         for _, b in parts[:-1])
+        out[stages] = StageSplit(layers=names, crossing=crossing)
+    return out
+
+
+def _stage_profile(profile: ModelProfile, layers: frozenset[str]) -> ModelProfile:
+    """The part of ``profile`` a stage of these top-level layers holds."""
+    return dataclasses.replace(
+        profile, weights=tuple(w for w in profile.weights if w[0].split(".")[0] in layers),
+        layers=tuple(l for l in profile.layers if l.name.split("/")[0] in layers),
+        attention=tuple(a for a in profile.attention if a[0].split("/")[0] in layers),
+        experts=())
+
+
+def pipeline_candidates(profile: ModelProfile, table, splits: dict[int, StageSplit], *,
+                        devices: int, global_batch_size: int, budget_bytes: int | None,
+                        machine: MachineCalibration | None, step: StepCalibration | None,
+                        optimizer_slots: int = 2) -> list[Candidate]:
+    """Every pipeline candidate: a stage count, the other axes over each stage's devices, and
+    the microbatches (1F1B, dtk's default schedule) predicted fastest among those that fit.
+
+    Memory is the largest stage's: its weights and optimizer state (not sharded within a stage),
+    gradients, one microbatch's activations over its layers and, as 1F1B holds them, the inputs
+    of up to ``S - s`` microbatches in flight on stage s. Time (the cost model's step on
+    ``batch=D``, which runs the same work over the same devices):
+
+        step = (a + e * B) * (M + S - 1) / M          the bubble
+             + (M - 1) x the microbatch's own cost
+             + M x each stage's model-axis collectives
+             + 2 (S - 1) M boundary transfers, each priced as a gather of what a device holds
+
+    The formula's bubble assumes the stages run at once, as on a GPU host; on a CPU host whose
+    cores run every virtual device, they run one after another (BUILD.md, "Pipeline
+    parallelism")."""
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    axes = ["batch"] + [a for a in table.axes if a not in ("batch", table.sequence_axis)]
+    out = []
+    for stages, split in sorted(splits.items()):
+        parts = [_stage_profile(profile, names) for names in split.layers]
+        for sizes in factorizations(devices // stages, axes):
+            mesh = ",".join([f"stage={stages}"] + [
+                f"{a}={n}" for a, n in sizes.items()
+                if a == "batch" or n > 1 or a not in table.optional_axes])
+            base = {"mesh": mesh, "update": "replicated", "remat": False, "budget": budget_bytes,
+                    "stages": stages}
+            b = sizes["batch"]
+            if global_batch_size % b:
+                out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                     predicted_ms=None, rejected=(
+                    f"global batch {global_batch_size} is not divisible by batch={b}")))
+                continue
+            try:
+                plans = [layouts.plan_weights(table, _Axes(sizes), part.weights)
+                         for part in parts]
+            except ValueError as e:
+                out.append(Candidate(**base, microbatches=1, memory={"total": 0},
+                                     predicted_ms=None, rejected=str(e).split(";")[0]))
+                continue
+            per_device = global_batch_size // b
+            options = []
+            for m in [m for m in range(1, per_device + 1) if per_device % m == 0]:
+                rows = per_device // m
+                memories = []
+                for s, (part, plan) in enumerate(zip(parts, plans)):
+                    memory = candidate_memory(part, plan, update="replicated", remat=(),
+                                              rows_per_device=rows,
+                                              optimizer_slots=optimizer_slots)
+                    if s:  # the inputs 1F1B holds: up to S - s microbatches in flight
+                        elements, itemsize = split.crossing[s - 1]
+                        memory["activations"] += min(m, stages - s) * rows * elements * itemsize
+                        memory["total"] = sum(v for k, v in memory.items() if k != "total")
+                    memories.append(memory)
+                memory = max(memories, key=lambda mem: mem["total"])
+                moved = sum(2 * global_batch_size * e * i for e, i in split.crossing)
+                predicted = None
+                if machine is not None and step is not None:
+                    predicted = ((step.a_ms + step.e_ms * global_batch_size)
+                                 * (m + stages - 1) / m + (m - 1) * step.microbatch_ms)
+                    predicted += m * sum(_model_axis_ms(part, plan, machine, rows)
+                                         for part, plan in zip(parts, plans))
+                    predicted += 2 * m * sum(machine.gather_ms(b, rows * e * i)
+                                             for e, i in split.crossing)
+                options.append(Candidate(**base, microbatches=m, memory=memory,
+                                         predicted_ms=predicted,
+                                         bubble=(stages - 1) / (m + stages - 1),
+                                         boundary_bytes=moved))
+            fitting = [c for c in options if c.fits] or options[-1:]
+            out.append(min(fitting, key=lambda c: (c.predicted_ms or 0.0, -c.microbatches)))
+    return out
+
+
 def choose(candidates: Sequence[Candidate]) -> Candidate:
     """The fastest candidate that fits (ties: less memory); ``PlanError`` when none fits."""
     feasible = [c for c in candidates if c.fits]
@@ -744,7 +877,8 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
         # less memory.
         fastest = min(c.predicted_ms or 0.0 for c in feasible)
         near = [c for c in feasible if (c.predicted_ms or 0.0) <= fastest * 1.01]
-        return min(near, key=lambda c: (c.update == "fsdp", c.remat, c.memory["total"]))
+        return min(near, key=lambda c: (c.update == "fsdp", c.remat, c.stages > 1,
+                                        c.memory["total"]))
     runnable = [c for c in candidates if c.rejected is None]
     if not runnable:
         raise PlanError("no candidate can run: " + "; ".join(
@@ -1167,7 +1301,7 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
          remat_patterns: Sequence[str] = (), device_type: str = "auto",
          cache: str | None = None, refresh: bool = False,
          machine: MachineCalibration | None = None,
-         step: StepCalibration | None = None) -> Plan:
+         step: StepCalibration | None = None, pipeline: bool = False) -> Plan:
     """Chooses the mesh, update, remat and microbatches for ``model_factory`` (module docstring).
 
     Args:
@@ -1188,6 +1322,8 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
       device_type: as for ``build_mesh``.
       cache: the calibration cache file; refresh: measure again even if cached.
       machine, step: calibrations to use instead of measuring (tests, benchmarks).
+      pipeline: consider pipeline stages too (a ``stage`` axis: ``pipeline_candidates``), for a
+        caller that runs them (``train_lm.py``).
 
     Raises:
       PlanError: no candidate fits, with the smallest shortfall and the fix.
@@ -1250,11 +1386,19 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                 f"{sorted(names)[:8]}...); name the model's blocks, as for TrainerConfig(remat=...)")
     common = {"devices": devices, "global_batch_size": global_batch_size,
               "budget_bytes": budget, "remat_patterns": remat_patterns}
+    splits = stage_splits(model_factory, input_shape, input_dtype, devices) if pipeline else {}
+
+    def every(machine, step):
+        return enumerate_candidates(profile, table, machine=machine, step=step, **common) + \
+            pipeline_candidates(profile, table, splits, devices=devices,
+                                global_batch_size=global_batch_size, budget_bytes=budget,
+                                machine=machine, step=step)
     if machine is None or step is None:
         # Memory first: a budget nothing fits is an error before anything is measured, and
         # the model's step is timed at the rows that fit on batch=D.
-        untimed = enumerate_candidates(profile, table, machine=None, step=None, **common)
+        untimed = every(None, None)
         choose(untimed)
+        untimed = [c for c in untimed if c.stages == 1]
         data_parallel = [c for c in untimed if c.rejected is None and not c.remat
                          and c.mesh.split(",")[0] == f"batch={devices}"]
         fitting = [c for c in data_parallel if c.fits] or data_parallel
@@ -1274,7 +1418,7 @@ def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
                                   num_classes=num_classes, cache=cache, refresh=refresh,
                                   on=on)
     machine, step = _agree(machine, step)
-    candidates = enumerate_candidates(profile, table, machine=machine, step=step, **common)
+    candidates = every(machine, step)
     chosen = choose(candidates)
     _log.debug("plan: %s, predicted %.1f ms/step, %s per device", chosen.label,
                chosen.predicted_ms or 0.0, _mib(chosen.memory["total"]))
@@ -1329,13 +1473,15 @@ def plot_plan(p: Plan, path: str) -> None:
 def explain_plan(p: Plan) -> str:
     """Every candidate: memory per device, predicted ms/step, and chosen or why not."""
     moe = any(c.experts_bytes for c in p.candidates)
+    staged = any(c.stages > 1 for c in p.candidates)
     rows = [("candidate", "weights", "state", "grads", "gathered", "activations", "total",
-             *(("experts", "all-to-all") if moe else ()), "ms/step", "")]
+             *(("experts", "all-to-all") if moe else ()),
+             *(("bubble", "boundary") if staged else ()), "ms/step", "")]
     best = p.chosen
     for c in sorted(p.candidates, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0)):
         if c.rejected:
-            rows.append((c.label, "", "", "", "", "", "", *(("", "") if moe else ()), "",
-                         f"cannot run: {c.rejected}"))
+            rows.append((c.label, "", "", "", "", "", "", *(("", "") if moe else ()),
+                         *(("", "") if staged else ()), "", f"cannot run: {c.rejected}"))
             continue
         m = c.memory
         if c is best:
@@ -1347,6 +1493,8 @@ def explain_plan(p: Plan) -> str:
         rows.append((c.label, *(f"{m[k] / MIB:.1f}" for k in (
             "weights", "optimizer", "gradients", "gathered", "activations", "total")),
             *((f"{c.experts_bytes / MIB:.1f}", f"{c.all_to_all_bytes / MIB:.1f}") if moe else ()),
+            *((f"{c.bubble:.0%}" if c.stages > 1 else "", f"{c.boundary_bytes / MIB:.1f}"
+               if c.stages > 1 else "") if staged else ()),
             f"{c.predicted_ms:.1f}" if c.predicted_ms is not None else "", why))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     budget = best.budget
@@ -1375,6 +1523,12 @@ def explain_plan(p: Plan) -> str:
                      "and state; divided by the axis sharding the experts); all-to-all: MiB a "
                      "device sends a step, the expert inputs to their experts and back, forward "
                      "and backward, priced as gathers of what a device holds")
+    if staged:
+        lines.append("stage=S: a pipeline of S stages (1F1B); memory is the largest stage's "
+                     "(its optimizer state replicated within it); bubble (S - 1) / (M + S - 1), "
+                     "priced as if the stages ran at once (a GPU host; this machine's cores run "
+                     "them one after another); boundary: MiB a step moves between stages, "
+                     "activations forward and their gradients back")
     if any("seq=" in c.label for c in p.candidates):
         lines.append("attention on a seq axis: priced as the all-gather of keys and values; at "
                      "build time the layout table's sequence_attention (auto: the default) times "

@@ -14,15 +14,21 @@ number of clients are recorded too but may change freely: dtk resumes exactly ac
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import tf_keras
 
+_log = logging.getLogger("dtk")
+
 # Recorded, may change on resume (one info line): dtk resumes exactly across meshes.
 FREE_KEYS = ("mesh", "num_clients")
 # Layer config keys that are names or bookkeeping, not hyper-parameters.
-_NOT_HYPER = {"name", "trainable", "dtype", "batch_input_shape", "input_shape"}
+# rng_type: how Keras would draw, which dtk's steps replace (dtk.parallel.randomness draws by
+# seed, step, layer and index whatever it is); a pipeline's lazy whole model and a laid-out
+# build report different ones for the same draws.
+_NOT_HYPER = {"name", "trainable", "dtype", "batch_input_shape", "input_shape", "rng_type"}
 
 
 def _plain(value: Any) -> Any:
@@ -116,3 +122,43 @@ def is_allowed(key: str, allowed: Iterable[str]) -> bool:
 def describe(diff: Mapping[str, tuple[Any, Any]]) -> str:
     """``seed 5 -> 6; learning_rate 0.45 -> 0.5``."""
     return "; ".join(f"{k} {json.dumps(a)} -> {json.dumps(b)}" for k, (a, b) in diff.items())
+
+
+def check(saved: Mapping[str, Any] | None, current: Mapping[str, Any], *,
+          allow_change: Iterable[str], restored: str, lead: bool = True
+          ) -> dict[str, dict[str, Any]]:
+    """The resume check: ``saved`` (a checkpoint's named settings) against ``current``.
+
+    Returns the changes allowed on purpose, ``{key: {"old": ..., "new": ...}}`` (the caller
+    applies them: a new learning rate on the restored optimizer); the mesh and the number of
+    clients change freely (one info line). ``lead``: this client logs.
+
+    Raises:
+      ValueError: settings changed that ``allow_change`` does not name, each with its values.
+    """
+    if saved is None:
+        _log.warning("checkpoint %s records no run settings (written by an older dtk): "
+                     "changed flags cannot be detected on this resume", restored)
+        return {}
+    allow_change = tuple(allow_change)
+    # keys an older dtk recorded that are not hyper-parameters (rng_type): not compared
+    saved = {k: v for k, v in saved.items() if k.rsplit(".", 1)[-1] not in _NOT_HYPER}
+    diff = changes(saved, current)
+    refused = {k: v for k, v in diff.items() if k not in FREE_KEYS
+               and not is_allowed(k, allow_change)}
+    if refused:
+        raise ValueError(
+            f"checkpoint {restored} was written with other settings: {describe(refused)}. "
+            "Resume with the same settings, use a new checkpoint directory, or allow the change "
+            f"on purpose (--allow_change {','.join(refused)}; TrainerConfig(allow_change=...))")
+    allowed = {}
+    for key, (old, new) in diff.items():
+        if key in FREE_KEYS:
+            if lead:
+                _log.info("Resuming with %s %s (the checkpoint was written with %s): dtk "
+                          "resumes exactly across meshes", key, new, old)
+            continue
+        allowed[key] = {"old": old, "new": new}
+        if lead:
+            _log.warning("Resuming with %s changed on purpose: %s -> %s", key, old, new)
+    return allowed

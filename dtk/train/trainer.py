@@ -714,32 +714,14 @@ class Trainer:
 
     def _check_settings(self, saved: dict[str, Any] | None) -> None:
         """Refuses a resume whose settings differ from the checkpoint's, unless allowed."""
-        restored = self._checkpointer.restored
-        if saved is None:
-            _log.warning("checkpoint %s records no run settings (written by an older dtk): "
-                         "changed flags cannot be detected on this resume", restored)
-            return
-        diff = resume_lib.changes(self._named(saved), self._settings)
-        refused = {k: v for k, v in diff.items() if k not in resume_lib.FREE_KEYS
-                   and not resume_lib.is_allowed(k, self.config.allow_change)}
-        if refused:
-            raise ValueError(
-                f"checkpoint {restored} was written with other settings: "
-                f"{resume_lib.describe(refused)}. Resume with the same settings, use a new "
-                "checkpoint directory, or allow the change on purpose (--allow_change "
-                f"{','.join(refused)}; TrainerConfig(allow_change=...))")
-        for key, (old, new) in diff.items():
-            if key in resume_lib.FREE_KEYS:
-                if cluster.is_lead_client():
-                    _log.info("Resuming with %s %s (the checkpoint was written with %s): dtk "
-                              "resumes exactly across meshes", key, new, old)
-                continue
-            self.resume_changes[key] = {"old": old, "new": new}
-            if key == "learning_rate" and isinstance(new, float):
-                # The restored optimizer holds the checkpoint's rate: set the new one.
-                self.optimizer.learning_rate.assign(new)
-            if cluster.is_lead_client():
-                _log.warning("Resuming with %s changed on purpose: %s -> %s", key, old, new)
+        allowed = resume_lib.check(None if saved is None else self._named(saved), self._settings,
+                                   allow_change=self.config.allow_change,
+                                   restored=self._checkpointer.restored,
+                                   lead=cluster.is_lead_client())
+        self.resume_changes.update(allowed)
+        new = allowed.get("learning_rate", {}).get("new")
+        if isinstance(new, float):  # the restored optimizer holds the checkpoint's rate
+            self.optimizer.learning_rate.assign(new)
 
     def _save(self, epoch: int, batch_in_epoch: int, steps_per_epoch: int) -> None:
         if self._checkpointer is None:
