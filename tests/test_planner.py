@@ -3,6 +3,8 @@ the arithmetic of a plan that does not fit, and chosen plans that train with one
 
 import dataclasses
 import functools
+import math
+import types
 import json
 import re
 import subprocess
@@ -490,3 +492,42 @@ def test_dtk_own_recommender_is_planned_through_the_library(tmp_path):
                      cache=str(tmp_path / "cache.json"))
     assert p.chosen.rejected is None and p.chosen.fits
     assert len(p.step.measured_ms) >= 3 and all(ms > 0 for ms in p.step.measured_ms)
+
+
+def test_the_planner_counts_pipeline_stages_and_may_choose_them():
+    """Issue 61: with ``pipeline=True`` (train_lm.py's planner) every stage count the LM can be
+    cut in is a candidate: its memory is the largest stage's (the weights split as
+    ``dtk.parallel.pipeline`` splits them, the optimizer state not sharded within a stage, and
+    the inputs 1F1B holds in flight), its bubble ``(S - 1) / (M + S - 1)``, its boundary bytes
+    the activations forward and their gradients back. Where only stages fit the budget, ``--mesh
+    auto`` chooses them, and ``train_lm.py`` gets the mesh and microbatches."""
+    from dtk import cli  # pylint: disable=import-outside-toplevel
+    lm = functools.partial(models.transformer_lm, vocab=256, seq_len=16, dim=64, heads=8,
+                           layers=4)
+    assert not any(c.stages > 1 for c in _plan(lm, lm=True).candidates)
+    free = _plan(lm, lm=True, table="data_parallel", pipeline=True)
+    staged = {c.mesh: c for c in free.candidates if c.stages > 1}
+    assert set(staged) == {"stage=2,batch=4", "stage=4,batch=2", "stage=8,batch=1"}, set(staged)
+    whole = {c.label: c for c in free.candidates}["batch=8 zero"].memory["weights"]
+    crossing = 16 * 64 * 4  # one example's activation between two blocks, float32
+    splits = planner.stage_splits(lm, (16,), "int32", 8)
+    profile = planner.profile_model(lm, (16,), input_dtype="int32")
+    for mesh, c in staged.items():
+        s, m = c.stages, c.microbatches
+        assert c.bubble == pytest.approx((s - 1) / (m + s - 1)), mesh
+        assert c.boundary_bytes == 2 * 16 * crossing * (s - 1), mesh
+        stages = splits[s].layers  # as dtk.parallel.pipeline.split cuts the model
+        held = [sum(4 * math.prod(shape) for path, shape, _ in profile.weights
+                    if path.split(".")[0] in names) for names in stages]
+        assert sum(held) == whole and c.memory["weights"] in held, (mesh, held)
+        assert c.memory["optimizer"] == 2 * c.memory["weights"], mesh  # Adam's m and v, unsharded
+        assert c.predicted_ms > free.chosen.predicted_ms  # the bubble costs time
+    # only stages fit: chosen, and the script runs them
+    tight = _plan(lm, lm=True, table="data_parallel", pipeline=True,
+                  gb=staged["stage=4,batch=2"].memory["total"] / 2 ** 30 * 1.01)
+    assert tight.chosen.stages > 1 and tight.chosen.fits, tight.explain()
+    assert "bubble" in tight.explain() and "stage=S: a pipeline" in tight.explain()
+    flags = types.SimpleNamespace()
+    cli.apply_plan(flags, tight)
+    assert flags.mesh == tight.chosen.mesh and flags.grad_accum == tight.chosen.microbatches
+    assert cli.plan_summary(tight)["stages"] == tight.chosen.stages

@@ -328,7 +328,7 @@ def _setup():
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1 and full_mesh is mesh
     memory = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=shard)
-    if FLAGS.device_memory_gb:
+    if FLAGS.device_memory_gb and full_mesh is mesh:  # in stages: each stage's, once built
         layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2,
                                     shard_optimizer_state=shard)
     return spec, full_mesh, table, factory, plan, memory, auto_plan
@@ -569,7 +569,8 @@ def run() -> dict:
         say(auto_plan.explain().splitlines()[-1], flush=True)
     say(dtk.describe_mesh(mesh), flush=True)
     if _is_pipeline():
-        return _run_pipeline(spec, mesh, table, factory, say)
+        summary = _run_pipeline(spec, mesh, table, factory, say)
+        return {**summary, "auto_plan": cli.plan_summary(auto_plan)} if summary else summary
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
         return {}
