@@ -318,6 +318,18 @@ def apply_plan(flags, plan) -> None:
     flags.grad_accum = chosen["gradient_accumulation_steps"]
 
 
+def refuse_stage_axis(spec, script: str) -> None:
+    """A ``stage`` axis in ``--mesh`` for a script that does not train in pipeline stages.
+
+    Raises:
+      UsageError: naming the axis, the script that runs stages, and the fix.
+    """
+    if spec is not None and "stage" in spec.axis_names:
+        raise UsageError(f"--mesh {spec}: a 'stage' axis splits a model into pipeline stages, "
+                         f"which train_lm.py runs (its blocks are the stages); {script} trains "
+                         "one model on every device: drop the stage axis")
+
+
 def mesh_and_table(values: Callable[[str], Any]):
     """The mesh (``--mesh``, ``--device``, ``--virtual_devices``) and the layout table
     (``--layout``) a script's flags name: ``(spec, mesh, table)``.

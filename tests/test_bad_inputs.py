@@ -61,6 +61,9 @@ CLI_CASES = [  # (flags, phrase the one-line error must contain)
     (["--mesh", "batch=x"], "size of axis 'batch' is 'x', not an integer"),
     (["--mesh", "b-1=8"], "axis name 'b-1' is not a valid name"),
     (["--mesh", "model=8"], "--mesh model=8 has no 'batch' axis"),
+    # issue 61: pipeline stages are train_lm.py's
+    (["--mesh", "stage=2,batch=4"], "a 'stage' axis splits a model into pipeline stages, which "
+     "train_lm.py runs (its blocks are the stages); train_mnist.py trains one model"),
     (["--mesh", "batch=256", "--global_batch_size", "256"], "needs 256 virtual CPUs on a machine with"),
     (["--epochs", "0"], "--epochs must be a positive integer; got 0"),
     (["--global_batch_size", "0"], "--global_batch_size must be a positive integer; got 0"),

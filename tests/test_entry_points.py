@@ -157,6 +157,8 @@ TUNE_CASES = [
     (["--num_cpus", "0"], "--num_cpus must be a positive integer"),
     (["--mesh", "batch=3"], "searched global batch sizes [64, 128, 256] are not divisible"),
     (["--mesh", "model=4"], "has no 'batch' axis"),
+    (["--mesh", "stage=2,batch=4"], "which train_lm.py runs (its blocks are the stages); "
+     "tune_mnist.py trains one model on every device: drop the stage axis"),
     (["--mesh", "auto"], "--mesh auto plans one training run"),
     (["--mesh", "batch=8", "--workers", "3"], "not divisible by --workers 3"),
     (["--mesh", "batch=8", "--workers", "2"], ACCEPTED),
@@ -177,6 +179,8 @@ RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in on
     # the two largest tables are sharded on their rows, whatever their order (issue 59): a
     # 101-row table among larger ones stays replicated; a large one of 1001 rows cannot split
     (["--table_sizes", "101,4096,256,16"], ACCEPTED),
+    (["--mesh", "stage=2,batch=4"], "train_recsys.py trains one model on every device: drop "
+     "the stage axis"),
     (["--table_sizes", "4096,1001,256,16"], "table1.embeddings"),
     (["--dim", "0"], "--dim must be a positive integer; got 0"),
     (["--heldout_examples", "0"], "--heldout_examples must be a positive integer; got 0"),

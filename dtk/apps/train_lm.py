@@ -514,13 +514,16 @@ def _pipeline_checkpointer(pipe, steps, train):
     resumes the other, on any mesh."""
     import dtk.cluster.env  # pylint: disable=g-import-not-at-top
     from dtk.train import checkpoint, resume  # pylint: disable=g-import-not-at-top
-    model, optimizer = steps.checkpoint_objects()
+    try:
+        model, optimizer = steps.checkpoint_objects()
+    except ValueError as e:
+        raise UsageError(f"--checkpoint_dir: {e}") from None
     saver = checkpoint.Checkpointer(FLAGS.checkpoint_dir, model=model, optimizer=optimizer,
                                     mesh=pipe.mesh, host_write=True,
                                     asynchronous=FLAGS.async_checkpoints)
     sizes = dict(zip(pipe.mesh.dim_names, (pipe.mesh.dim_size(n) for n in pipe.mesh.dim_names)))
     settings = resume.named(resume.settings(
-        seed=FLAGS.seed, optimizer=steps.optimizers[0], model=pipe.whole, data=train,
+        seed=FLAGS.seed, optimizer=steps.local_optimizer, model=pipe.whole, data=train,
         mesh=",".join(f"{k}={v}" for k, v in sizes.items()),
         num_clients=dtk.cluster.env.num_clients(),
         extra={"corpus": FLAGS.text_file or "stdlib"}), SETTING_NAMES)

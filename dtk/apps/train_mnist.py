@@ -50,6 +50,7 @@ def _check_flags(dtk) -> tuple:
         spec = None if FLAGS.mesh == cli.AUTO_MESH else dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
+    cli.refuse_stage_axis(spec, "train_mnist.py")
     for name in ("epochs", "global_batch_size"):
         if getattr(FLAGS, name) < 1:
             raise UsageError(f"--{name} must be a positive integer; got {getattr(FLAGS, name)}")

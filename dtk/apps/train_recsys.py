@@ -108,6 +108,11 @@ def _setup():
         if lead:
             print(f"--mesh auto: {FLAGS.mesh}; " + "; ".join(
                 f"{o.table.path.split('.')[0]} {o.label()}" for o in planned.chosen), flush=True)
+    if FLAGS.mesh != cli.AUTO_MESH:
+        try:
+            cli.refuse_stage_axis(dtk.parse_mesh_spec(FLAGS.mesh), "train_recsys.py")
+        except ValueError:
+            pass  # a malformed --mesh: mesh_and_table names it
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
         table = planned.layout_table()

@@ -185,6 +185,7 @@ def _check_flags(dtk) -> None:
         spec = dtk.parse_mesh_spec(FLAGS.mesh)
     except ValueError as e:
         raise UsageError(f"--mesh: {e}") from None
+    cli.refuse_stage_axis(spec, "tune_mnist.py")
     if spec.num_devices % FLAGS.workers:
         raise UsageError(f"--mesh {spec} has {spec.num_devices} devices, not divisible by --workers "
                          f"{FLAGS.workers}; each worker must hold the same number of devices")

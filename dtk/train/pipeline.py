@@ -445,12 +445,20 @@ class PipelineSteps:
         stages. After a restore, call ``restored()``.
 
         Raises:
-          ValueError: a weight of the whole model that no stage holds, or optimizer state that
-            cannot be told apart by name.
+          ValueError: stages on other clients' devices (not yet: TensorFlow's checkpoint
+            serializer packs every variable, which fails on a mesh with no local devices), a
+            weight of the whole model that no stage holds, or optimizer state that cannot be
+            told apart by name.
         """
         from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
         from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
         whole = self.pipe.whole
+        if not all(self.local):
+            raise ValueError(
+                f"checkpoints of pipeline stages on several clients (mesh "
+                f"{pipeline.mesh_spec(self.pipe.mesh)}) are not supported yet: TensorFlow's "
+                "checkpoint serializer cannot describe another client's stage. Train the stages "
+                "in one process to checkpoint them, or without checkpoints")
         if whole is None:
             raise ValueError("this Pipeline keeps no whole model (Pipeline.whole); build it with "
                              "dtk.parallel.pipeline.build")
@@ -470,9 +478,9 @@ class PipelineSteps:
 
         # The optimizer the Trainer builds on the whole model's weights (lazy: no storage) gives
         # the graph and the order of its slots; each slot is then the stage's of the same name.
-        first = self.optimizers[0]
+        first, local = self.optimizers[0], self.local_optimizer
         with lazy_variable.lazy_init_scope():
-            twin = type(first).from_config(first.get_config())
+            twin = type(local).from_config(local.get_config())
             twin.build(whole.trainable_variables)
         slots: dict[str, tf.Variable] = {}
         for opt in self.optimizers:
@@ -506,6 +514,12 @@ class PipelineSteps:
             opt.iterations.assign(step)
             if value is not None:
                 opt._learning_rate.assign(value)  # pylint: disable=protected-access
+
+    @property
+    def local_optimizer(self):
+        """A stage's optimizer on this client's devices: its settings (the learning rate) can be
+        read here, another client's cannot."""
+        return next(opt for opt, mine in zip(self.optimizers, self.local) if mine)
 
     @property
     def iterations(self) -> int:
