@@ -110,9 +110,10 @@ def _setup():
                 f"{o.table.path.split('.')[0]} {o.label()}" for o in planned.chosen), flush=True)
     if FLAGS.mesh != cli.AUTO_MESH:
         try:
-            cli.refuse_stage_axis(dtk.parse_mesh_spec(FLAGS.mesh), "train_recsys.py")
+            spec = dtk.parse_mesh_spec(FLAGS.mesh)
         except ValueError:
-            pass  # a malformed --mesh: mesh_and_table names it
+            spec = None  # a malformed --mesh: mesh_and_table names it
+        cli.refuse_stage_axis(spec, "train_recsys.py")
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
         table = planned.layout_table()
