@@ -137,6 +137,7 @@ def tiny_transformer(*, vocab: int = 64, seq_len: int = 8, dim: int = 16, heads:
 
 
 # -- a byte-level transformer language model ----------------------------------------------------
+@tf_keras.saving.register_keras_serializable(package="dtk")
 class PositionEmbedding(tf_keras.layers.Layer):
     """Learned position embeddings ``[seq_len, dim]`` added to the token embeddings."""
 

@@ -183,10 +183,11 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     of 1, dropout 0.1): 3 steps give the train loss and held-out bits per byte of ``--mesh
     batch=8``'s Trainer run at step 3 (1e-5). Its checkpoint (``--checkpoint_dir``) is the
     Trainer's: resumed to step 6 on ``batch=8`` (the Trainer) and in 4 stages, each gives the
-    uninterrupted ``batch=8`` run's losses, held-out bits per byte (1e-5) and sample. The same
-    pipeline on 2 clients x 4 devices (stage 0 on client 0's devices, stage 1 on client 1's:
-    every activation and gradient crosses between the processes) gives the one process's
-    numbers bit for bit."""
+    uninterrupted ``batch=8`` run's losses, held-out bits per byte (1e-5) and sample, and the
+    stages' ``--export_dir`` holds the plain tf_keras model with the Trainer's export's
+    weights. The same pipeline on 2 clients x 4 devices (stage 0 on client 0's devices, stage 1
+    on client 1's: every activation and gradient crosses between the processes) gives the one
+    process's numbers bit for bit."""
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     import json  # pylint: disable=import-outside-toplevel
     import shutil  # pylint: disable=import-outside-toplevel
@@ -219,9 +220,11 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
         shutil.copytree(ckpt, tmp_path / copy)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         on_batch8 = pool.submit(run, "to_batch8", "--steps", "6", "--mesh", "batch=8",
-                                "--checkpoint_dir", str(tmp_path / "to_batch8"))
+                                "--checkpoint_dir", str(tmp_path / "to_batch8"),
+                                "--export_dir", str(tmp_path / "export8"))
         in_four, _ = run("to_stage4", "--steps", "6", "--mesh", "stage=4,batch=2",
-                         "--microbatches", "2", "--checkpoint_dir", str(tmp_path / "to_stage4"))
+                         "--microbatches", "2", "--checkpoint_dir", str(tmp_path / "to_stage4"),
+                         "--export_dir", str(tmp_path / "export4"))
         on_batch8, res = on_batch8.result()
     two, _ = run("two_clients", "--steps", "3", *stages, prefix=launch)
 
@@ -241,6 +244,12 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     assert two["num_clients"] == 2
     for key in ("train_loss", "heldout_bits_per_byte", "sample"):
         assert two[key] == first[key], key
+    # the stages export the whole model as plain tf_keras: the Trainer's export's weights
+    staged = tf_keras.models.load_model(in_four["export"]["keras"], compile=False)
+    whole = tf_keras.models.load_model(on_batch8["export"]["keras"], compile=False)
+    assert len(staged.weights) == len(whole.weights) > 30
+    for a, b in zip(staged.weights, whole.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6, err_msg=a.name)
 
 
 

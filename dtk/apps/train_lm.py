@@ -175,9 +175,7 @@ def _check_moe_mesh(mesh, table) -> None:
 # What a pipelined run (a stage axis) does not do yet, each refused with the flag's name.
 PIPELINE_REFUSED = {
     "fsdp": "FSDP inside a stage", "remat": "remat inside a stage (each stage's backward already "
-    "recomputes its forward)",
-    "export_dir": "export of a pipelined run", "tensorboard_dir": "TensorBoard logs of a "
-    "pipelined run",
+    "recomputes its forward)", "tensorboard_dir": "TensorBoard logs of a pipelined run",
     "mixed_precision": "mixed precision in a pipeline", "moe_experts": "experts in a pipeline",
 }
 
@@ -425,6 +423,10 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
     curve, times = [], []
     history: dict = {"epochs": [], "logs": {"loss": [], "val_loss": []}}
     tokens_per_epoch = FLAGS.eval_every * FLAGS.global_batch_size * FLAGS.seq_len
+    if FLAGS.export_dir and not all(steps.local):  # refused before training, not after
+        raise UsageError(f"--export_dir: export of pipeline stages on several clients (mesh "
+                         f"{spec}) is not supported yet: each client reads its own stages' "
+                         "weights only. Train the stages in one process to export them")
     saver, settings, changes = None, None, {}
     epoch, skip = 0, 0
     if FLAGS.checkpoint_dir:
@@ -487,8 +489,10 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         sample = generate(steps, pipe.meshes[0], FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
                           n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
         say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
+    exported = steps.export(factory, FLAGS.export_dir) if FLAGS.export_dir else None
     cli.keep_until_exit(train, heldout)
     return {
+        "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(), "layout": FLAGS.layout,
         "pipeline": {"stages": stages, "microbatches": config.microbatches,
                      "schedule": config.schedule, "units": [list(u) for u in pipe.units],

@@ -777,13 +777,20 @@ def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model
       ValueError: a weight of one model has no counterpart in the other, or another shape or
         dtype; the message names the weight.
     """
+    return plain_copy_of(_weights_by_identity(model), model_factory, input_shape=input_shape)
+
+
+def plain_copy_of(trained: dict[str, tf.Variable], model_factory: Callable[[], tf_keras.Model],
+                  *, input_shape=None) -> tf_keras.Model:
+    """``plain_copy`` from the trained weights by key (``_weights_by_identity``'s keys): a
+    model held in parts (a pipeline's stages) gives its weights this way."""
     twin = model_factory()
     if not twin.built:
         if input_shape is None:
             raise ValueError("model_factory returned an unbuilt (subclassed) model; pass "
                              "input_shape= (one example's shape) to build the export twin")
         twin(tf.zeros([1, *(int(d) for d in input_shape)]))
-    trained, fresh = _weights_by_identity(model), _weights_by_identity(twin)
+    fresh = _weights_by_identity(twin)
     only_trained = sorted(set(trained) - set(fresh))
     only_fresh = sorted(set(fresh) - set(trained))
     if only_trained or only_fresh:
@@ -814,10 +821,12 @@ def plain_copy(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model
 EXPORT_FORMATS = ("keras", "saved_model")
 
 
-def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
-           export_dir: str, *, input_shape=None,
+def export(model: tf_keras.Model | dict[str, tf.Variable],
+           model_factory: Callable[[], tf_keras.Model], export_dir: str, *, input_shape=None,
            formats: Sequence[str] = EXPORT_FORMATS) -> dict[str, str]:
     """Writes ``model.keras`` (plain tf_keras) and ``saved_model/`` (for serving) under export_dir.
+
+    ``model``: the laid-out model, or its weights by key (``plain_copy_of``).
 
     In a multi-client run only client 0 writes (every client holds the same global weights), but
     every client must call this, because gathering the weights is a collective.
@@ -835,7 +844,8 @@ def export(model: tf_keras.Model, model_factory: Callable[[], tf_keras.Model],
     problem = _env.path_problem(export_dir, kind="dir")
     if problem:  # an existing file raised a raw FileExistsError from os.makedirs
         raise ValueError(f"export_dir {problem}")
-    twin = plain_copy(model, model_factory, input_shape=input_shape)
+    trained = model if isinstance(model, dict) else _weights_by_identity(model)
+    twin = plain_copy_of(trained, model_factory, input_shape=input_shape)
     paths = {name: path for name, path in (("keras", os.path.join(export_dir, "model.keras")),
                                            ("saved_model", os.path.join(export_dir, "saved_model")))
              if name in formats}

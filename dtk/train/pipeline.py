@@ -502,6 +502,33 @@ class PipelineSteps:
                 plan[id(variable)] = slots[variable.name]
         return model_view, _mirror(twin, plan, {}, "optimizer", _Node)
 
+    def export(self, model_factory, export_dir: str, *, formats=("keras", "saved_model")
+               ) -> dict[str, str]:
+        """Writes the whole model, its weights the stages', as plain tf_keras
+        (``dtk.train.checkpoint.export``: ``model.keras`` and a SavedModel).
+
+        Raises:
+          ValueError: stages on other clients' devices (not yet: their weights are not
+            readable here), or a factory that builds another model.
+        """
+        from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+        from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+        if not all(self.local):
+            raise ValueError(
+                f"export of pipeline stages on several clients (mesh "
+                f"{pipeline.mesh_spec(self.pipe.mesh)}) is not supported yet: each client reads "
+                "its own stages' weights only. Train the stages in one process to export them")
+        held = {}
+        for model in self.pipe.models:
+            held.update(layouts.weight_paths(model))
+        stage_of = {}
+        for path, variable in layouts.weight_paths(self.pipe.whole):
+            stage_of[id(variable)] = stage_of[id(getattr(variable, "_variable", variable))] = \
+                held[path]
+        trained = {key: stage_of[id(variable)] for key, variable in
+                   checkpoint._weights_by_identity(self.pipe.whole).items()}  # pylint: disable=protected-access
+        return checkpoint.export(trained, model_factory, export_dir, formats=formats)
+
     def restored(self) -> None:
         """After restoring ``checkpoint_objects``: every stage's step counter and learning
         rate are stage 0's (the checkpoint holds one of each, as a Trainer's does)."""
