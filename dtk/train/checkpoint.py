@@ -530,7 +530,6 @@ class Checkpointer:
         self.run_id = self._state.value.get("run_id") or self.run_id
         return dict(self._state.value)
 
-
     def _host_restore(self, path: str) -> None:
         """Restores through host copies, each value read from the files and this client's
         shards sent to its devices (``dtk.parallel.materialize.assign_global``): one DTensor
