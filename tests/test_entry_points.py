@@ -111,9 +111,10 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--mesh", "stage=2,batch=4", "--fsdp"],
      "--fsdp with a stage axis in --mesh stage=2,batch=4: FSDP inside a stage is not supported"),
     (["--mesh", "stage=2,batch=4", "--checkpoint_dir", "{dir}/ckpt"], ACCEPTED),
-    (["--mesh", "stage=2,batch=4", "--tensorboard_dir", "{dir}/tb"],
-     "--tensorboard_dir with a stage axis in --mesh stage=2,batch=4: TensorBoard logs of a "
-     "pipelined run is not supported yet"),
+    (["--mesh", "stage=2,batch=4", "--tensorboard_dir", "{dir}/tb"], ACCEPTED),
+    (["--mesh", "stage=2,batch=4", "--remat", "blocks"],
+     "--remat with a stage axis in --mesh stage=2,batch=4: remat inside a stage (each stage's "
+     "backward already recomputes its forward) is not supported yet"),
     (["--mesh", "stage=2,model=4"], "has no 'batch' axis"),
     # issue 60: mixture of experts
     (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe", "--moe_experts", "8",

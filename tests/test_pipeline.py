@@ -185,9 +185,9 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     Trainer's: resumed to step 6 on ``batch=8`` (the Trainer) and in 4 stages, each gives the
     uninterrupted ``batch=8`` run's losses, held-out bits per byte (1e-5) and sample, and the
     stages' ``--export_dir`` holds the plain tf_keras model with the Trainer's export's
-    weights. The same pipeline on 2 clients x 4 devices (stage 0 on client 0's devices, stage 1
-    on client 1's: every activation and gradient crosses between the processes) gives the one
-    process's numbers bit for bit."""
+    weights (and ``--tensorboard_dir`` the epoch's losses). The same pipeline on 2 clients x 4
+    devices (stage 0 on client 0's devices, stage 1 on client 1's: every activation and gradient
+    crosses between the processes) gives the one process's numbers bit for bit."""
     import concurrent.futures  # pylint: disable=import-outside-toplevel
     import json  # pylint: disable=import-outside-toplevel
     import shutil  # pylint: disable=import-outside-toplevel
@@ -214,7 +214,8 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     # at most two single-process runs at once (4 TensorFlow processes with the test workers)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         straight = pool.submit(run, "batch8", "--steps", "6", "--mesh", "batch=8")
-        first, _ = run("stages", "--steps", "3", *stages, "--checkpoint_dir", str(ckpt))
+        first, _ = run("stages", "--steps", "3", *stages, "--checkpoint_dir", str(ckpt),
+                       "--tensorboard_dir", str(tmp_path / "tb"))
         batch8, _ = straight.result()
     for copy in ("to_batch8", "to_stage4"):
         shutil.copytree(ckpt, tmp_path / copy)
@@ -229,6 +230,13 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     two, _ = run("two_clients", "--steps", "3", *stages, prefix=launch)
 
     assert first["pipeline"]["stages"] == 2 and first["pipeline"]["microbatches"] == 4
+    logged = {}  # TensorBoard: the epoch's loss and held-out loss, as the Trainer logs them
+    for events in (tmp_path / "tb").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            for value in event.summary.value:
+                logged[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    assert logged[("loss", 1)] == pytest.approx(first["train_loss"][0], rel=1e-6), logged
+    assert ("val_loss", 1) in logged, logged
     np.testing.assert_allclose(first["train_loss"], batch8["train_loss"][:1], rtol=1e-5)
     np.testing.assert_allclose(first["heldout_bits_per_byte"],
                                batch8["heldout_curve"][0]["heldout_bits_per_byte"], rtol=1e-5)

@@ -175,7 +175,7 @@ def _check_moe_mesh(mesh, table) -> None:
 # What a pipelined run (a stage axis) does not do yet, each refused with the flag's name.
 PIPELINE_REFUSED = {
     "fsdp": "FSDP inside a stage", "remat": "remat inside a stage (each stage's backward already "
-    "recomputes its forward)", "tensorboard_dir": "TensorBoard logs of a pipelined run",
+    "recomputes its forward)",
     "mixed_precision": "mixed precision in a pipeline", "moe_experts": "experts in a pipeline",
 }
 
@@ -427,6 +427,10 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         raise UsageError(f"--export_dir: export of pipeline stages on several clients (mesh "
                          f"{spec}) is not supported yet: each client reads its own stages' "
                          "weights only. Train the stages in one process to export them")
+    writer = None
+    if FLAGS.tensorboard_dir and dtk.cluster.env.is_lead_client():  # the Trainer's scalars
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        writer = tf.summary.create_file_writer(FLAGS.tensorboard_dir)
     saver, settings, changes = None, None, {}
     epoch, skip = 0, 0
     if FLAGS.checkpoint_dir:
@@ -471,6 +475,11 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         history["logs"].setdefault("loss", []).append(float(np.mean(losses)))
         history["logs"].setdefault("val_loss", []).append(loss)
         curve.append({"step": done, "heldout_bits_per_byte": bpb})
+        if writer is not None:  # as dtk.Trainer writes an epoch's logs
+            with writer.as_default():
+                for key in ("loss", "val_loss"):
+                    tf.summary.scalar(key, history["logs"][key][-1], step=epoch + 1)
+            writer.flush()
         say(f"step {done}: train loss {history['logs']['loss'][-1]:.4f}, held-out {bpb:.3f} "
             f"bits/byte (unigram {unigram:.3f}), "
             f"{tokens_per_epoch / (time.perf_counter() - start):,.0f} tokens/s", flush=True)
