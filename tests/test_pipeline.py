@@ -257,7 +257,8 @@ def test_train_lm_in_stages_trains_like_the_trainer_on_batch_8_and_resumes_on_an
     whole = tf_keras.models.load_model(on_batch8["export"]["keras"], compile=False)
     assert len(staged.weights) == len(whole.weights) > 30
     for a, b in zip(staged.weights, whole.weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6, err_msg=a.name)
+        # (measured: 7.4e-8 at most; atol for weights near zero)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.name)
 
 
 

@@ -462,19 +462,11 @@ class PipelineSteps:
         if whole is None:
             raise ValueError("this Pipeline keeps no whole model (Pipeline.whole); build it with "
                              "dtk.parallel.pipeline.build")
-        held = {}
-        for model in self.pipe.models:
-            held.update(layouts.weight_paths(model))
-        replace = {}
-        for path, variable in layouts.weight_paths(whole):
-            if path not in held:
-                raise ValueError(f"weight {path} of the whole model is in no stage")
-            replace[id(variable)] = replace[id(getattr(variable, "_variable", variable))] = \
-                held[path]
+        replace = self._stage_weights()
         model_view = _mirror(whole, replace, {}, "model", _ModelView)
         # Not an attribute AutoTrackable would track (the checkpoint would hold them twice).
         object.__setattr__(model_view, "_dtk_weights",
-                           [held[path] for path, _ in layouts.weight_paths(whole)])
+                           [replace[id(v)] for _, v in layouts.weight_paths(whole)])
 
         # The optimizer the Trainer builds on the whole model's weights (lazy: no storage) gives
         # the graph and the order of its slots; each slot is then the stage's of the same name.
@@ -511,23 +503,34 @@ class PipelineSteps:
           ValueError: stages on other clients' devices (not yet: their weights are not
             readable here), or a factory that builds another model.
         """
-        from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
         from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
         if not all(self.local):
             raise ValueError(
                 f"export of pipeline stages on several clients (mesh "
                 f"{pipeline.mesh_spec(self.pipe.mesh)}) is not supported yet: each client reads "
                 "its own stages' weights only. Train the stages in one process to export them")
-        held = {}
-        for model in self.pipe.models:
-            held.update(layouts.weight_paths(model))
-        stage_of = {}
-        for path, variable in layouts.weight_paths(self.pipe.whole):
-            stage_of[id(variable)] = stage_of[id(getattr(variable, "_variable", variable))] = \
-                held[path]
+        stage_of = self._stage_weights()
         trained = {key: stage_of[id(variable)] for key, variable in
                    checkpoint._weights_by_identity(self.pipe.whole).items()}  # pylint: disable=protected-access
         return checkpoint.export(trained, model_factory, export_dir, formats=formats)
+
+    def _stage_weights(self) -> dict[int, tf.Variable]:
+        """Each weight of the whole (lazy) model, by ``id`` (its own and its inner variable's),
+        mapped to the stage's variable of the same path.
+
+        Raises:
+          ValueError: a weight of the whole model that no stage holds.
+        """
+        from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+        held = {}
+        for model in self.pipe.models:
+            held.update(layouts.weight_paths(model))
+        out = {}
+        for path, variable in layouts.weight_paths(self.pipe.whole):
+            if path not in held:
+                raise ValueError(f"weight {path} of the whole model is in no stage")
+            out[id(variable)] = out[id(getattr(variable, "_variable", variable))] = held[path]
+        return out
 
     def restored(self) -> None:
         """After restoring ``checkpoint_objects``: every stage's step counter and learning
