@@ -51,6 +51,7 @@ _EXPORTS = {
     "Steps": "dtk.train.steps",
     "distribute": "dtk.train.distribute",
     "CheckpointCallback": "dtk.train.distribute",
+    "Preempted": "dtk.train.preemption",
     "History": "dtk.train.trainer",
     "Trainer": "dtk.train.trainer",
     "TrainerConfig": "dtk.train.trainer",
@@ -109,4 +110,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.planning.planner import Plan, PlanError, plan  # noqa: F401
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
     from dtk.train.distribute import CheckpointCallback, distribute  # noqa: F401
+    from dtk.train.preemption import Preempted  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

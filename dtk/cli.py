@@ -483,9 +483,17 @@ class _AdviceInFlags(logging.Filter):
 
 def run_reporting_errors(run: Callable[[], Any]) -> tuple[int, Any]:
     """Calls ``run``; a ``ValueError``/``TypeError`` (dtk's user errors) becomes one ``error:``
-    line on stderr and exit status 2, with no traceback. Returns ``(status, run's result)``."""
+    line on stderr and exit status 2, with no traceback; a stop on SIGTERM/SIGINT
+    (``dtk.train.preemption.Preempted``) one ``stopped:`` line naming the checkpoint, and exit
+    status 128 + the signal's number. Returns ``(status, run's result)``."""
     try:
         return 0, run()
+    except SystemExit as e:
+        if not hasattr(e, "signum"):
+            raise
+        # dtk.train.preemption.Preempted: saved at a step boundary on SIGTERM/SIGINT
+        print(str(e), file=sys.stderr, flush=True)  # "stopped by SIGTERM at step ...: saved ..."
+        return int(e.code), None
     except (ValueError, TypeError) as e:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
         line = advice_in_flags(lines[0]) if lines else type(e).__name__

@@ -448,10 +448,15 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         return sum(t for t, _ in sums) / sum(c for _, c in sums), int(sum(c for _, c in sums))
 
     done = steps.iterations
+    # SIGTERM/SIGINT: saved at the next step boundary, then Preempted (as dtk.Trainer does)
+    from dtk.train import preemption  # pylint: disable=g-import-not-at-top
+    stop = preemption.StopSignals()
+    if saver is not None:
+        stop.install()
     for epoch in range(epoch, -(-FLAGS.steps // FLAGS.eval_every)):
         start, losses = time.perf_counter(), []
         for i, batch in enumerate(train.global_batches(epoch)):
-            if done == FLAGS.steps:
+            if done == FLAGS.steps or stop.signum is not None:
                 break
             if i < skip:  # trained before the checkpoint this run resumed from
                 continue
@@ -461,6 +466,8 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
             done += 1
         skip = 0
         if not losses:
+            if stop.signum is not None:
+                break
             continue
         loss = heldout_loss()[0]
         bpb = text.bits_per_byte(loss)
@@ -487,6 +494,12 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
             saver.save({"epoch": epoch + 1, "batch_in_epoch": 0,
                         "steps_per_epoch": train.num_batches, "auto_steps_per_call": None,
                         "settings": settings, "history": history}, step=done)
+        if stop.signum is not None:
+            break
+    stop.uninstall()
+    if stop.signum is not None and done < FLAGS.steps:
+        saver.close()  # the save finished and recorded, the directory released
+        raise preemption.Preempted(stop.signum, saver.latest, done)
     if saver is not None:
         saver.close()
     loss, windows = heldout_loss()
@@ -514,7 +527,8 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         "train_loss": history["logs"]["loss"], "heldout_curve": curve,
         "heldout_bits_per_byte": heldout_bpb,
         "unigram_bits_per_byte": unigram,
-        "ms_per_step_median": 1000 * statistics.median(times[1:] or times),
+        # None when this run trained no step (a finished run run again), as the Trainer's
+        "ms_per_step_median": 1000 * statistics.median(times[1:] or times) if times else None,
         "first_step_s": times[0] if times else None,
         "sample": sample.decode("utf-8", errors="replace"),
         "wall_s": time.perf_counter() - _START,
@@ -565,6 +579,9 @@ def _resume_pipeline(state, settings, saver, steps, train, say):
     if skip >= train.num_batches:
         epoch, skip = epoch + 1, 0
     say(f"resumed from {saver.restored}: step {steps.iterations}", flush=True)
+    if steps.iterations >= FLAGS.steps:
+        say(f"the run is already complete: {saver.restored} is at step {steps.iterations} of "
+            f"{FLAGS.steps}; nothing is trained (raise --steps to train further)", flush=True)
     return epoch, skip, changes
 
 

@@ -271,6 +271,7 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self.host_write = host_write
         self._pending: tuple[str, threading.Thread, list] | None = None
+        self._bookkeeping = threading.Lock()
 
     @property
     def latest(self) -> str | None:
@@ -380,6 +381,9 @@ class Checkpointer:
                         for other in range(1, clients):
                             _wait_posted(f"{target}/{other}")
                         gen_io_ops.merge_v2_checkpoints(parts, target, delete_old_dirs=True)
+                        # Recorded as the latest now, not at the next save or the end of the
+                        # run: a kill after this point resumes from it.
+                        self._bookkeep(target)
             except Exception as e:  # pylint: disable=broad-except  (raised by wait())
                 errors.append(e)
 
@@ -416,19 +420,29 @@ class Checkpointer:
         if self._mesh is not None and cluster.num_clients() > 1:
             # Every client's shards are written before client 0 records the checkpoint.
             dtensor.barrier(self._mesh, "dtk-checkpoint", timeout_in_ms=600_000)
-        self._paths = [p for p in self._paths if p != path] + [path]
-        stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
-        if not cluster.is_lead_client():
-            return path
-        if not tf.io.gfile.exists(path + ".index"):
-            raise RuntimeError(f"checkpoint {path} was not written completely (no {path}.index)")
-        checkpoint_management.update_checkpoint_state_internal(
-            save_dir=self.directory, model_checkpoint_path=path,
-            all_model_checkpoint_paths=self._paths, save_relative_paths=True)
-        for old in stale:  # only once the new checkpoint is recorded
-            for f in tf.io.gfile.glob(old + ".*"):
-                tf.io.gfile.remove(f)
+        self._bookkeep(path)
         return path
+
+    def _bookkeep(self, path: str) -> None:
+        """Names ``path`` the latest checkpoint in the state file (the lead client) and deletes
+        those beyond ``max_to_keep``; once per path (an asynchronous save's thread does it as
+        soon as the files are written, and ``wait`` finds it done)."""
+        with self._bookkeeping:
+            if self._paths and self._paths[-1] == path:
+                return
+            self._paths = [p for p in self._paths if p != path] + [path]
+            stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
+            if not cluster.is_lead_client():
+                return
+            if not tf.io.gfile.exists(path + ".index"):
+                raise RuntimeError(f"checkpoint {path} was not written completely (no "
+                                   f"{path}.index)")
+            checkpoint_management.update_checkpoint_state_internal(
+                save_dir=self.directory, model_checkpoint_path=path,
+                all_model_checkpoint_paths=self._paths, save_relative_paths=True)
+            for old in stale:  # only once the new checkpoint is recorded
+                for f in tf.io.gfile.glob(old + ".*"):
+                    tf.io.gfile.remove(f)
 
     def _check_no_other_writer(self) -> None:
         """Refuses to save when the newest checkpoint here is not one this run knows: another

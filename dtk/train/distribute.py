@@ -237,7 +237,11 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             state.check_call(_name, size, kwargs.get("callbacks"), y=y,
                              class_weight=kwargs.get("class_weight"),
                              validation_split=kwargs.get("validation_split"))
-            return _method(self, *args, **kwargs)
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                if _name == "fit":
+                    state.end_fit()
 
         setattr(model, name, types.MethodType(checked, model))
     _eager_calls_on_mesh(model, mesh)
@@ -254,6 +258,17 @@ class _MeshState:
         self.size = mesh.dim_size(batch_axis)
         self.accumulation = 1  # microbatches per batch (distribute's gradient_accumulation_steps)
         self.sharded: _ShardedUpdate | None = None  # distribute's shard_optimizer_state
+        # Batches of the epoch a resume starts inside (CheckpointCallback after a stop at a
+        # step boundary): already trained, so the next train call reads past them first.
+        self.skip_batches = 0
+        # Run when fit returns or raises (Keras calls on_train_end only when it returns):
+        # CheckpointCallback's signal handlers and the directory's lock are released.
+        self.at_fit_end: list[Callable[[], Any]] = []
+
+    def end_fit(self) -> None:
+        self.skip_batches = 0
+        while self.at_fit_end:
+            self.at_fit_end.pop()()
 
     def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
                    class_weight: Any = None, validation_split: Any = None) -> None:
@@ -449,6 +464,10 @@ def _maker(step_name: str, attr: str) -> Callable:
                     "optimizer's learning rate instead (LearningRateScheduler, "
                     "ReduceLROnPlateau), or compile() again between fits")
             outputs = None
+            if training and state.skip_batches:
+                for _ in range(state.skip_batches):  # trained before the checkpoint
+                    next(iterator)
+                state.skip_batches = 0
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
             per_call = 1 if spe is None or step_name == "predict_step" else int(spe.numpy())
             datas = []
@@ -696,9 +715,15 @@ def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
 
     def finalize_variable_values(var_list):
         var_list = list(var_list)
+        entries = [(v, sharded.entry(v) if sharded is not None else None) for v in var_list]
+        for v, entry in entries:
+            # The copy is refreshed from the weight first, as at every step: a fit that trains
+            # no step (a finished run run again, resumed from its last checkpoint) would
+            # otherwise write back a copy made before the restore (the initial values).
+            if entry is not None:
+                entry[0].assign(dtensor.relayout(_storage(v).read_value(), entry[2]))
         finalize(mapped(var_list))  # EMA: the averages go into the copies, then the weights
-        for v in var_list:
-            entry = sharded.entry(v) if sharded is not None else None
+        for v, entry in entries:
             if entry is not None:
                 _storage(v).assign(dtensor.relayout(entry[0].read_value(), entry[1]))
 
@@ -763,14 +788,26 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
     weights and the optimizer state (every optimizer the model holds, a GAN's two included), one
     run writes a directory at a time (a lock, released at the end of ``fit``), ``max_to_keep``
     checkpoints are kept, broken ones are skipped with a warning, and a later ``fit`` on any mesh
-    resumes from the newest one at the epoch after it. The optimizer's step counter is restored
+    resumes from the newest one where it stopped. The optimizer's step counter is restored
     with it, so dtk's random draws (Dropout) continue as in the uninterrupted run: the resumed
-    run's numbers are the same.
+    run's numbers are the same. A finished run run again trains nothing, says so, and leaves the
+    model as the finished run left it.
+
+    SIGTERM or SIGINT during ``fit`` (a one-process run; ``dtk.train.preemption``): a checkpoint
+    is saved at the next step boundary, the directory is released, and ``fit`` raises
+    ``dtk.Preempted`` (a ``SystemExit`` with status 143 or 130: a script exits with it and no
+    traceback). The same ``fit`` again resumes at that step: the weights and the optimizer state
+    are the uninterrupted run's, bit for bit. Keras logs the interrupted epoch's loss and
+    metrics over the batches trained after the resume only (as with ``BackupAndRestore``);
+    every later epoch's are the uninterrupted run's.
 
     Args:
       directory: where the checkpoints go (shared by every client).
       max_to_keep: checkpoints kept.
-      asynchronous: write in a background thread (the next epoch starts while it writes).
+      asynchronous: write in a background thread (the next epoch starts while it writes); each
+        checkpoint is recorded as the latest as soon as its files are written.
+      restart_from_scratch: remove the directory's checkpoints and train from the start (the
+        way on from a directory whose checkpoints are all unreadable).
 
     Example::
 
@@ -778,17 +815,23 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         # killed at epoch 6; the same line again resumes at epoch 7
     """
 
-    def __init__(self, directory: str, *, max_to_keep: int = 3, asynchronous: bool = False):
+    def __init__(self, directory: str, *, max_to_keep: int = 3, asynchronous: bool = False,
+                 restart_from_scratch: bool = False):
         super().__init__()
         if not isinstance(directory, (str, bytes)) and not hasattr(directory, "__fspath__"):
             raise TypeError(f"CheckpointCallback(directory=...) must be a path; got "
                             f"{type(directory).__name__}")
         self.directory, self.max_to_keep, self.asynchronous = directory, max_to_keep, asynchronous
+        self.restart_from_scratch = bool(restart_from_scratch)
         self._checkpointer = None
+        self._stop = None
+        self._epoch = 0
+        self._preempted: list | None = None  # [checkpoint, saved inside an epoch] after a signal
         self.restored_epoch: int | None = None  # the epoch the last fit resumed at
+        self.restored_step: int = 0  # batches of that epoch trained before the checkpoint
 
     def on_train_begin(self, logs=None):
-        from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+        from dtk.train import checkpoint, preemption  # pylint: disable=g-import-not-at-top
         state = getattr(self.model, "_dtk_mesh_state", None)
         if state is None:
             raise ValueError("CheckpointCallback is for a model made by dtk.distribute; this "
@@ -803,31 +846,100 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         self._checkpointer = checkpoint.Checkpointer(
             self.directory, model=self.model, optimizer=optimizer, mesh=state.mesh,
             max_to_keep=self.max_to_keep, asynchronous=self.asynchronous)
-        restored = self._checkpointer.restore()
+        self._preempted = None
+        if self.restart_from_scratch:
+            if self._checkpointer.candidates():
+                _log.warning("restart_from_scratch: removing the checkpoints in %s",
+                             self.directory)
+                self._checkpointer.clear()
+            restored = None
+        else:
+            try:
+                restored = self._checkpointer.restore()
+            except checkpoint.CheckpointError as e:
+                self._close()
+                raise checkpoint.CheckpointError(
+                    f"{str(e).split('; ')[0]}; nothing was restored. To train from the start "
+                    "on purpose, pass CheckpointCallback(..., restart_from_scratch=True) (it "
+                    "removes them), or give another directory") from None
+            except BaseException:
+                self._close()
+                raise
         self.restored_epoch = None if restored is None else int(restored["epoch"])
+        self.restored_step = 0 if restored is None else int(restored.get("step", 0))
         if self.restored_epoch is not None:
-            _log.info("resumed from %s: epoch %d", self._checkpointer.restored,
-                      self.restored_epoch + 1)
-            self.model._training_state = _ResumeAt(self.restored_epoch)  # pylint: disable=protected-access
+            epochs = (self.params or {}).get("epochs")
+            if epochs is not None and self.restored_epoch >= epochs:
+                _log.warning("the run is already complete: %s is at epoch %d of %d; nothing is "
+                             "trained, the model is the finished run's (raise epochs to train "
+                             "further)", self._checkpointer.restored, self.restored_epoch, epochs)
+            else:
+                _log.info("resumed from %s: epoch %d%s", self._checkpointer.restored,
+                          self.restored_epoch + 1,
+                          f", after its batch {self.restored_step}" if self.restored_step else "")
+            self.model._training_state = _ResumeAt(self.restored_epoch, self.restored_step)  # pylint: disable=protected-access
+            state.skip_batches = self.restored_step
+        self._stop = preemption.StopSignals().install()
+        state.at_fit_end.append(self._close)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._stop is None or self._stop.signum is None or self._preempted is not None:
+            return
+        steps = (self.params or {}).get("steps")
+        done = int(batch) + 1  # Keras passes the index of the call's last batch
+        self._preempted = [None, steps is None or done < steps]  # [checkpoint, inside the epoch]
+        if self._preempted[1]:  # the position in the epoch; at its end, on_epoch_end saves
+            self._preempted[0] = self._checkpointer.save(
+                {"epoch": self._epoch, "step": done},
+                step=int(self.model.optimizer.iterations.numpy()))
+            self._checkpointer.wait()
+        self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        self._checkpointer.save({"epoch": epoch + 1},
-                                step=int(self.model.optimizer.iterations.numpy()))
+        if self._preempted is not None and self._preempted[1]:
+            return  # saved at the step where the signal was seen
+        path = self._checkpointer.save({"epoch": epoch + 1},
+                                       step=int(self.model.optimizer.iterations.numpy()))
+        if self._preempted is not None:
+            self._checkpointer.wait()
+            self._preempted[0] = path
+            if epoch + 1 >= (self.params or {}).get("epochs", 0):
+                self._preempted = None  # the run's last epoch: it ends as it would
 
     def on_train_end(self, logs=None):
+        from dtk.train import preemption  # pylint: disable=g-import-not-at-top
         self.model._training_state = None  # pylint: disable=protected-access
+        signum = self._stop.signum if self._stop is not None else None
+        self._close()
+        if signum is not None and self._preempted is not None:
+            stop = preemption.Preempted(signum, self._preempted[0],
+                                        int(self.model.optimizer.iterations.numpy()))
+            _log.warning("%s", stop.message)
+            raise stop
+
+    def _close(self):
+        if self._stop is not None:
+            self._stop.uninstall()
+            self._stop = None
         if self._checkpointer is not None:
-            self._checkpointer.wait()
-            self._checkpointer.close()
-            self._checkpointer = None
+            try:
+                self._checkpointer.wait()
+            finally:
+                self._checkpointer.close()
+                self._checkpointer = None
 
 
 class _ResumeAt:
-    """What ``Model.fit`` asks a restored training state: the epoch to start at."""
+    """What ``Model.fit`` asks a restored training state: the epoch and batch to start at."""
 
-    def __init__(self, epoch: int):
-        self.epoch = epoch
+    def __init__(self, epoch: int, step: int = 0):
+        self.epoch, self.step = epoch, step
 
     def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
         del steps_per_epoch, mode
-        return max(initial_epoch, self.epoch), 0
+        if initial_epoch > self.epoch:
+            return initial_epoch, 0
+        return self.epoch, self.step

@@ -42,6 +42,7 @@ from dtk.parallel import layouts as layouts_lib
 from dtk.parallel import mesh as mesh_lib
 from dtk.parallel import ops as op_support
 from dtk.train import optimizers as optimizers_lib
+from dtk.train import preemption
 from dtk.train import resume as resume_lib
 from dtk import keras_check
 from dtk.data.input import DataSource, DistributedDataset
@@ -321,6 +322,7 @@ class Trainer:
         self.history = History()
         self._auto = None
         self._spe = 1 if config.steps_per_execution == "auto" else config.steps_per_execution
+        self._stop = preemption.StopSignals()  # installed while fit trains
         self._checkpointer = None
         self._settings: dict[str, Any] = {}
         self.resume_changes: dict[str, dict[str, Any]] = {}
@@ -434,6 +436,12 @@ class Trainer:
             num_clients=cluster.num_clients(), extra=self.config.settings))
         self._check_allow_change()  # a typo is refused now, not at a resume runs later
         epoch, skip = self._resume(steps_per_epoch)
+        if self._checkpointer is not None and self._checkpointer.restored and \
+                (epoch >= epochs or self._done()) and cluster.is_lead_client():
+            _log.warning("the run is already complete: %s is at epoch %d of %d (step %d); "
+                         "nothing is trained, the model is the finished run's (raise epochs%s "
+                         "to train further)", self._checkpointer.restored, epoch, epochs,
+                         self.global_step, "/max_steps" if self.config.max_steps else "")
         dropped = train_data.num_dropped
         if dropped and self.config.verbose and cluster.is_lead_client():
             _log.info("Training drops %d of %d examples per epoch (remainder='drop': the global "
@@ -442,6 +450,19 @@ class Trainer:
         self.timing = Timing()
         self._epochs = epochs
         self.model.stop_training = False  # as Keras's fit: a callback or train_step may set it
+        # SIGTERM/SIGINT: saved at the next step boundary, then Preempted (dtk.train.preemption)
+        self._stop = preemption.StopSignals()
+        if self._checkpointer is not None:
+            self._stop.install()
+        try:
+            self._fit_epochs(train_data, epoch, skip, epochs, steps_per_epoch, validation_data,
+                             writer, on_epoch_end, on_step_end)
+        finally:
+            self._stop.uninstall()
+        return self.history
+
+    def _fit_epochs(self, train_data, epoch, skip, epochs, steps_per_epoch, validation_data,
+                    writer, on_epoch_end, on_step_end) -> None:
         while epoch < epochs and not self._done():
             if skip == 0:
                 self.steps.reset_metrics()
@@ -464,16 +485,24 @@ class Trainer:
             for callback in on_epoch_end:
                 callback(epoch, logs)
             epoch += 1
+            if self._stop.signum is not None:  # saved at this epoch's end
+                break
             if getattr(self.model, "stop_training", False):  # EarlyStopping's way, as in Keras
                 _log.info("training stopped after epoch %d: model.stop_training was set", epoch)
                 break
         if self._checkpointer is not None:
             self._checkpointer.wait()  # the last asynchronous save is complete and recorded
+        if self._stop.signum is not None and epoch < epochs and not self._done():
+            saved = None  # (a signal after the last step lets the run end as it would)
+            if self._checkpointer is not None:
+                saved = self._checkpointer.latest
+                self._checkpointer.close()  # the directory's lock is released
+                self._checkpointer = None
+            raise preemption.Preempted(self._stop.signum, saved, self.global_step)
         stopped = bool(getattr(self.model, "stop_training", False))
         if getattr(self.optimizer, "use_ema", False) and (epoch >= epochs or stopped):
             # As Keras's fit ends: the weights become their moving average (Adam(use_ema=True))
             self.optimizer.finalize_variable_values(self.model.trainable_variables)
-        return self.history
 
     def _done(self) -> bool:
         return self.config.max_steps is not None and self.global_step >= self.config.max_steps
@@ -596,7 +625,7 @@ class Trainer:
             done += n
             for callback in on_step_end:
                 callback(epoch * steps_per_epoch + done)
-            if self._done():
+            if self._done() or self._stop.signum is not None:
                 break
             if time.perf_counter() - window_start >= _PROGRESS_INTERVAL_S:
                 results = self._results(epoch)  # syncs
@@ -606,7 +635,7 @@ class Trainer:
         logs = self._results(epoch)
         self._close_window(window_steps, window_start, epoch)
         self._progbar_steps = done
-        return logs, self._done() and done < steps_per_epoch
+        return logs, (self._done() or self._stop.signum is not None) and done < steps_per_epoch
 
     def _results(self, epoch: int) -> dict[str, float]:
         """Metric values (a device sync); stops training on a non-finite loss if configured."""
@@ -802,7 +831,11 @@ class Trainer:
     def _log_epoch(self, epoch, epochs, logs, writer, *, partial=False) -> None:
         """The epoch's figures, once: the progress bar's last line (verbose=1, as Keras's fit
         prints them), or one ``epoch i/n`` line (verbose=2)."""
-        note = f" (stopped at max_steps={self.config.max_steps})" if partial else ""
+        note = ""
+        if partial:
+            note = (f" (stopped by {preemption.signal_name(self._stop.signum)})"
+                    if self._stop.signum is not None else
+                    f" (stopped at max_steps={self.config.max_steps})")
         if self._progbar is not None:
             self._progbar.update(self._progbar_steps, list(logs.items()), finalize=True)
             self._progbar = None
