@@ -266,17 +266,18 @@ class PipelineSteps:
             with step, micro:
                 y = model(x, training=True)
             value, extra = objective(y)
-            value += self._penalty(model, self.pipe.meshes[s])
+            penalty = self._penalty(model, self.pipe.meshes[s])
+            value += penalty
         grads = _dense(tape.gradient(value, [*variables, *([x] if needs_dx else [])]))
         acc = [a + g for a, g in zip(acc, grads)]
-        return extra, (self._out(s, grads[-1]) if needs_dx else None), acc
+        return extra, (self._out(s, grads[-1]) if needs_dx else None), acc, penalty
 
     def _compile_backward(self, s):
         @tf.function
         def backward(x, dy, j, acc):
-            _, dx, acc = self._gradients(s, x, j, acc, lambda y: (tf.reduce_sum(
+            _, dx, acc, penalty = self._gradients(s, x, j, acc, lambda y: (tf.reduce_sum(
                 tf.cast(y, tf.float32) * tf.cast(dy, tf.float32)), None))
-            return dx, acc
+            return dx, acc, penalty
         return backward
 
     def _compile_last(self):
@@ -293,9 +294,8 @@ class PipelineSteps:
 
         @tf.function
         def last(x, labels, weights, count, j, acc):
-            total, dx, acc = self._gradients(
+            total, dx, acc, penalty = self._gradients(
                 s, x, j, acc, lambda y: objective(y, labels, weights, count))
-            penalty = self._penalty(self.pipe.models[s], self.pipe.meshes[s])
             return total, penalty, dx, acc
         return last
 
@@ -366,10 +366,12 @@ class PipelineSteps:
                     total, penalty, dx, acc[s] = self._last(x, *targets.pop(j), count, index,
                                                             acc[s])
                     totals.append(total)
-                    penalties.append(penalty)
+                    penalties.append((s, penalty))
                     out = total
                 else:
-                    dx, acc[s] = self._backward[s](x, grads_in.pop((s, j)), index, acc[s])
+                    dx, acc[s], penalty = self._backward[s](x, grads_in.pop((s, j)), index,
+                                                            acc[s])
+                    penalties.append((s, penalty))
                     out = acc[s][0]
                 if s:
                     grads_in[(s - 1, j)] = self.exchange.move(dx, s, s - 1,
@@ -388,7 +390,10 @@ class PipelineSteps:
         total = sum(self.exchange.value(t, last) for t in totals)
         loss = total / float(weights.sum()) if not getattr(self.loss_fn, "sum_over_batch",
                                                            False) else total
-        return loss + sum(self.exchange.value(p, last) for p in penalties)
+        # Every stage's extra losses (add_loss, regularizers), each microbatch's a 1/M share,
+        # as Keras reports them: part of the loss (stages in order: the same gathers everywhere)
+        return loss + sum(self.exchange.value(p, s) for s, p in sorted(penalties,
+                                                                       key=lambda sp: sp[0]))
 
     def _predict(self, features):
         """The last stage's output for a global batch (None on a client without it)."""
