@@ -430,16 +430,18 @@ class Checkpointer:
         with self._bookkeeping:
             if self._paths and self._paths[-1] == path:
                 return
-            self._paths = [p for p in self._paths if p != path] + [path]
-            stale, self._paths = self._paths[:-self.max_to_keep], self._paths[-self.max_to_keep:]
+            paths = [p for p in self._paths if p != path] + [path]
+            stale, paths = paths[:-self.max_to_keep], paths[-self.max_to_keep:]
+            if cluster.is_lead_client():
+                if not tf.io.gfile.exists(path + ".index"):
+                    raise RuntimeError(f"checkpoint {path} was not written completely (no "
+                                       f"{path}.index)")
+                checkpoint_management.update_checkpoint_state_internal(
+                    save_dir=self.directory, model_checkpoint_path=path,
+                    all_model_checkpoint_paths=paths, save_relative_paths=True)
+            self._paths = paths  # once recorded: a failure above leaves the previous latest
             if not cluster.is_lead_client():
                 return
-            if not tf.io.gfile.exists(path + ".index"):
-                raise RuntimeError(f"checkpoint {path} was not written completely (no "
-                                   f"{path}.index)")
-            checkpoint_management.update_checkpoint_state_internal(
-                save_dir=self.directory, model_checkpoint_path=path,
-                all_model_checkpoint_paths=self._paths, save_relative_paths=True)
             for old in stale:  # only once the new checkpoint is recorded
                 for f in tf.io.gfile.glob(old + ".*"):
                     tf.io.gfile.remove(f)
