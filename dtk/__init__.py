@@ -52,6 +52,7 @@ _EXPORTS = {
     "distribute": "dtk.train.distribute",
     "CheckpointCallback": "dtk.train.distribute",
     "Preempted": "dtk.train.preemption",
+    "enable_keras_distribution": "dtk.train.keras3",
     "History": "dtk.train.trainer",
     "Trainer": "dtk.train.trainer",
     "TrainerConfig": "dtk.train.trainer",
@@ -111,4 +112,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
     from dtk.train.distribute import CheckpointCallback, distribute  # noqa: F401
     from dtk.train.preemption import Preempted  # noqa: F401
+    from dtk.train.keras3 import enable_keras_distribution  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

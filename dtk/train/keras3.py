@@ -1,0 +1,459 @@
+"""Keras 3's own distribution API (``keras.distribution``) on the TensorFlow backend, by DTensor.
+
+Keras 3 implements ``DeviceMesh``, ``LayoutMap``, ``DataParallel`` and ``ModelParallel`` for
+JAX only; its TensorFlow module (``keras/src/backend/tensorflow/distribution_lib.py``) is a
+prototype marked "DO NOT USE". ``enable_keras_distribution()`` fills in the TensorFlow backend at
+the seams Keras's JAX backend uses (``keras/src/backend/jax/core.py`` and
+``distribution_lib.py``), with DTensor underneath, so that Keras's own ``fit``, callbacks,
+losses and metrics run unchanged on the mesh:
+
+* **variables** (``Variable._initialize``): a variable made while a distribution is set becomes
+  a ``DVariable`` in the layout ``distribution.get_variable_layout`` gives it, made eagerly
+  (``tf.init_scope``: optimizer slots are made inside the first traced step) from the same
+  initial value plain Keras draws; its ``_layout`` is kept, so its optimizer slots take it too;
+* **batches** (``Trainer._make_function`` / ``make_predict_function``): the next batch of
+  Keras's data adapter, on the host, is laid out over the batch axis by dtk's packer (the one
+  ``dtk.distribute`` uses; a last partial batch runs whole on every device with Keras's numbers)
+  and Keras's own ``train_step``/``test_step``/``predict_step`` runs as one traced function;
+* **the mesh and layouts** (``_to_backend_mesh``, ``distribute_tensor``, ``initialize``):
+  ``DeviceMesh`` becomes a ``dtensor.Mesh`` on the devices it lists (every client's, in a
+  multi-client run), a ``LayoutMap`` entry for a layer's output relayouts it.
+
+It is a call, not an import side effect, and it checks the Keras version it was tested on.
+
+Example::
+
+    import dtk, keras
+    dtk.enable_keras_distribution()
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = keras.Sequential([...]); model.compile(...); model.fit(x, y)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+_log = logging.getLogger("dtk")
+
+# The Keras 3 releases these seams were written against and tested on (their private names).
+TESTED_KERAS = ((3, 15),)
+_ENABLED: dict[str, Any] = {}
+
+
+def _keras():
+    """Keras 3 (the ``keras`` package), checked: the TensorFlow backend, a tested version."""
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend != "tensorflow":
+        raise ValueError(
+            f"dtk.enable_keras_distribution(): KERAS_BACKEND={backend!r}; dtk implements Keras's "
+            "distribution API for the TensorFlow backend (DTensor). Set KERAS_BACKEND=tensorflow "
+            "before importing keras, or use Keras's own JAX distribution on JAX")
+    import keras  # pylint: disable=g-import-not-at-top
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2] if p.isdigit())
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError(
+            f"dtk.enable_keras_distribution(): keras was imported with the "
+            f"{keras.backend.backend()!r} backend (KERAS_BACKEND); dtk implements the TensorFlow "
+            "backend's distribution. Set KERAS_BACKEND=tensorflow before importing keras")
+    if version not in TESTED_KERAS:
+        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_KERAS)
+        raise RuntimeError(
+            f"dtk.enable_keras_distribution(): keras {keras.__version__} is not a version dtk's "
+            f"seams were tested on ({tested}.x): they replace private parts of Keras's "
+            f"TensorFlow backend. Install keras {tested}.x (pip install 'keras>=3.15,<3.16'), "
+            "or a dtk release that supports this Keras")
+    return keras
+
+
+def enable_keras_distribution() -> None:
+    """Turns Keras 3's distribution API on for the TensorFlow backend (idempotent).
+
+    After it, ``keras.distribution.DeviceMesh``, ``LayoutMap``, ``DataParallel``,
+    ``ModelParallel``, ``set_distribution``/``distribution.scope()`` and
+    ``keras.distribution.initialize()`` work with ``KERAS_BACKEND=tensorflow``: models built
+    under a distribution hold DTensor variables laid out as it says, and Keras's ``fit``,
+    ``evaluate``, ``predict`` and the ``*_on_batch`` methods run each batch laid out over the
+    batch axis. Without a distribution set, Keras behaves as before.
+
+    Raises:
+      ValueError: another Keras backend.
+      RuntimeError: a Keras version the seams were not tested on.
+    """
+    if _ENABLED:
+        return
+    keras = _keras()
+    from keras.src.backend.tensorflow import core, trainer as tf_trainer  # pylint: disable=g-import-not-at-top
+    from keras.src.backend.tensorflow import distribution_lib as backend_lib  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    del mesh_lib
+    _ENABLED["initialize"] = core.Variable._initialize  # pylint: disable=protected-access
+    core.Variable._initialize = _initialize_variable  # pylint: disable=protected-access
+    for name in ("numpy", "__array__", "_direct_assign"):
+        _ENABLED[name] = getattr(core.Variable, name)
+    core.Variable.numpy = _variable_numpy
+    core.Variable.__array__ = lambda self, dtype=None: np.asarray(_variable_numpy(self), dtype)
+    core.Variable._direct_assign = _direct_assign  # pylint: disable=protected-access
+    for name in ("_make_function", "make_predict_function"):
+        _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
+    tf_trainer.TensorFlowTrainer._make_function = _make_function  # pylint: disable=protected-access
+    tf_trainer.TensorFlowTrainer.make_predict_function = _make_predict_function
+    from keras.src.backend.tensorflow import random as tf_random  # pylint: disable=g-import-not-at-top
+    for name in ("uniform", "normal", "truncated_normal", "dropout"):
+        _ENABLED[f"random.{name}"] = getattr(tf_random, name)
+        setattr(tf_random, name, functools.partial(_draw, name))
+    backend_lib._to_backend_mesh = _to_backend_mesh  # pylint: disable=protected-access
+    backend_lib.distribute_tensor = distribute_tensor
+    backend_lib.distribute_variable = distribute_variable
+    backend_lib.distribute_data_input = distribute_data_input
+    backend_lib.initialize = initialize
+    backend_lib.num_processes = _num_processes
+    backend_lib.process_id = _process_id
+    backend_lib.get_device_count = lambda device_type=None: len(
+        backend_lib.list_devices(device_type))
+    _ENABLED["keras"] = keras
+
+
+def _distribution():
+    from keras.src.distribution import distribution_lib  # pylint: disable=g-import-not-at-top
+    return distribution_lib.distribution()
+
+
+# -- the mesh -------------------------------------------------------------------------------------
+def _num_processes() -> int:
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    return cluster.num_clients()
+
+
+def _process_id() -> int:
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    return cluster.client_id()
+
+
+def initialize(job_addresses=None, num_processes=None, process_id=None) -> None:
+    """``keras.distribution.initialize``: this process as one DTensor client of several.
+
+    Given nothing, dtk's launcher and the TF_CONFIG / Slurm bridges have already set the
+    client environment (``DTENSOR_JOBS``, ``DTENSOR_CLIENT_ID``); given the addresses, they are
+    set here. The clients connect when the first mesh is built.
+    """
+    if job_addresses is not None:
+        addresses = [a.strip() for a in str(job_addresses).split(",") if a.strip()]
+        if num_processes is not None and len(addresses) != int(num_processes):
+            raise ValueError(
+                f"keras.distribution.initialize(job_addresses=...) lists {len(addresses)} "
+                f"addresses for num_processes={num_processes}; give one address per process "
+                "(the TensorFlow backend connects every client to every other)")
+        if process_id is None:
+            raise ValueError("keras.distribution.initialize(job_addresses=...) needs "
+                             "process_id= (this process's index in job_addresses)")
+        os.environ["DTENSOR_JOBS"] = ",".join(addresses)
+        os.environ["DTENSOR_CLIENT_ID"] = str(int(process_id))
+        os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    cluster.apply_scheduler_env()
+
+
+def _to_backend_mesh(device_mesh) -> dtensor.Mesh:
+    """A ``keras.distribution.DeviceMesh`` as a ``dtensor.Mesh`` on the devices it lists.
+
+    The usual mesh lists every device (``keras.distribution.list_devices()``) in order: it is
+    built as dtk builds ``--mesh data=2,model=4`` (every client's devices, DTensor initialized
+    for several clients). Any other order or subset of this process's devices is taken as given.
+    """
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    from keras.src.backend.tensorflow import distribution_lib as backend_lib  # pylint: disable=g-import-not-at-top
+    names = list(device_mesh.axis_names)
+    shape = [int(s) for s in device_mesh.shape]
+    devices = [str(d) for d in np.asarray(device_mesh.devices).flatten()]
+    listed = backend_lib.list_devices()
+    if devices == listed[:len(devices)]:
+        return mesh_lib.build_mesh(",".join(f"{n}={s}" for n, s in zip(names, shape)),
+                                   device_type=devices[0].split(":")[0])
+    full = []
+    for device in devices:
+        kind, _, index = device.rpartition(":")
+        full.append(f"/job:localhost/replica:0/task:0/device:{kind.upper()}:{index}")
+    return dtensor.create_mesh(list(zip(names, shape)), devices=full)
+
+
+def _backend_layout(layout) -> dtensor.Layout:
+    return layout.backend_layout if hasattr(layout, "backend_layout") else layout
+
+
+# -- variables ------------------------------------------------------------------------------------
+def _initialize_variable(self, value) -> None:
+    """``Variable._initialize`` of Keras's TensorFlow backend, with a distribution set: a
+    ``DVariable`` in the variable's layout (the JAX backend's ``_initialize_layout``)."""
+    distribution = _distribution()
+    if distribution is None or isinstance(value, tf.Variable):
+        return _ENABLED["initialize"](self, value)
+    with tf.init_scope():
+        initial = value() if callable(value) else value
+        initial = tf.convert_to_tensor(initial, dtype=self._dtype)  # pylint: disable=protected-access
+        if self._shape is None or None in tuple(self._shape):  # pylint: disable=protected-access
+            self._shape = tuple(initial.shape)  # the layout's rank comes from it
+        if self._layout is None:  # pylint: disable=protected-access
+            self._layout = distribution.get_variable_layout(self)  # pylint: disable=protected-access
+        layout = _backend_layout(self._layout)  # pylint: disable=protected-access
+        if dtensor.is_dtensor(initial):
+            laid_out = dtensor.relayout(initial, layout)
+        else:
+            laid_out = dtensor.relayout(dtensor.copy_to_mesh(
+                initial, dtensor.Layout.replicated(layout.mesh, initial.shape.rank)), layout)
+        self._value = dtensor.DVariable(  # pylint: disable=protected-access
+            laid_out, trainable=self.trainable, name=self.name,
+            aggregation=self._map_aggregation(self.aggregation),  # pylint: disable=protected-access
+            synchronization=self._map_synchronization(self.synchronization))  # pylint: disable=protected-access
+    return None
+
+
+def _variable_numpy(self) -> np.ndarray:
+    """``Variable.numpy()`` (and ``get_weights``, ``np.array``, saving) on any layout: the
+    global value, gathered one sharded dim at a time."""
+    if not isinstance(self._value, dtensor.DVariable):  # pylint: disable=protected-access
+        return _ENABLED["numpy"](self)
+    from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+    return checkpoint.global_value(self._value)  # pylint: disable=protected-access
+
+
+def _direct_assign(self, value) -> None:
+    """``assign`` (``set_weights``, ``load_weights``, a restore) of a host value into a
+    DVariable: copied to the mesh, then relaid out to the variable's layout."""
+    target = self._value  # pylint: disable=protected-access
+    if not isinstance(target, dtensor.DVariable) or not tf.executing_eagerly() or \
+            dtensor.is_dtensor(value):
+        return _ENABLED["_direct_assign"](self, value)
+    value = tf.cast(value, target.dtype)
+    layout = dtensor.fetch_layout(target)
+    value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
+    target.assign(dtensor.relayout(value, layout))
+    return None
+
+
+def distribute_variable(value, layout):
+    """A ``DVariable`` of ``value`` in ``layout`` (a ``TensorLayout`` or ``dtensor.Layout``)."""
+    return dtensor.DVariable(distribute_tensor(value, layout))
+
+
+def distribute_tensor(tensor, layout):
+    """``tensor`` in ``layout``: relaid out when it is on the mesh, copied there when not."""
+    layout = _backend_layout(layout)
+    if layout is None:
+        return tensor
+    tensor = tf.convert_to_tensor(tensor)
+    if not dtensor.is_dtensor(tensor):
+        tensor = dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(layout.mesh,
+                                                                        tensor.shape.rank))
+    return dtensor.relayout(tensor, layout)
+
+
+def distribute_data_input(per_process_batch, layout, batch_dim_name):
+    """A batch of this process's rows laid out over ``batch_dim_name`` (``layout``'s mesh)."""
+    del layout
+    state = _mesh_state(_distribution())
+    del batch_dim_name
+    return state.pack(per_process_batch)
+
+
+# -- random draws ---------------------------------------------------------------------------------
+_IN_STEP: list[bool] = []  # non-empty while dtk traces a model's step on the mesh
+
+
+def _draw(name: str, *args, **kwargs):
+    """Keras's ``keras.random`` draws (``uniform``, ``normal``, ``truncated_normal``,
+    ``dropout``) inside a step on the mesh, mesh-invariant.
+
+    Keras draws with stateless TF ops seeded by a ``SeedGenerator`` (whose state, a replicated
+    variable, advances the same way on every mesh). DTensor runs such an op once per device
+    with a per-device seed, so the values would depend on the mesh. Here the values come from
+    dtk's counter-based hash of (the drawn seed, the element's global index)
+    (``dtk.parallel.randomness``), each device hashing only its own shard: the same numbers on
+    every mesh and client count. They are not the numbers TensorFlow's kernels draw on one
+    device (as with dtk's tf_keras path). Outside a step on the mesh, Keras's own draw runs.
+    """
+    original = _ENABLED[f"random.{name}"]
+    if not _IN_STEP:
+        return original(*args, **kwargs)
+    from dtk.parallel import randomness  # pylint: disable=g-import-not-at-top
+    from keras.src.random.seed_generator import draw_seed  # pylint: disable=g-import-not-at-top
+    from keras.src.backend.config import floatx  # pylint: disable=g-import-not-at-top
+    if name == "dropout":
+        inputs, rate = args[0], args[1] if len(args) > 1 else kwargs["rate"]
+        noise_shape = args[2] if len(args) > 2 else kwargs.get("noise_shape")
+        seed = args[3] if len(args) > 3 else kwargs.get("seed")
+        if rate == 0.0 or rate == 1.0:
+            return original(inputs, rate, noise_shape=noise_shape, seed=seed)
+        key = _seed_key(draw_seed(seed))
+        shape = [int(d) if d is not None else inputs.shape[i]
+                 for i, d in enumerate(noise_shape)] if noise_shape is not None else \
+            inputs.shape.as_list()
+        like = inputs if noise_shape is None else None
+        u = randomness.uniform(shape, 0x4B3A5E11, key, like=like)
+        keep = tf.cast(u >= rate, inputs.dtype)
+        return inputs * keep / tf.cast(1.0 - rate, inputs.dtype)
+    shape = args[0] if args else kwargs["shape"]
+    dtype = kwargs.get("dtype") or floatx()
+    seed = kwargs.get("seed")
+    shape = [int(d) for d in (shape.as_list() if hasattr(shape, "as_list") else shape)]
+    key = _seed_key(draw_seed(seed))
+    if name == "uniform":
+        low, high = kwargs.get("minval", 0.0), kwargs.get("maxval", 1.0)
+        if len(args) > 1:
+            low = args[1]
+        if len(args) > 2:
+            high = args[2]
+        u = randomness.uniform(shape, 0x2C1B3C6D, key, dtype=tf.float32)
+        return tf.cast(low + (high - low) * u, dtype)
+    mean, stddev = kwargs.get("mean", 0.0), kwargs.get("stddev", 1.0)
+    if len(args) > 1:
+        mean = args[1]
+    if len(args) > 2:
+        stddev = args[2]
+    z = randomness.normal(shape, 0x297A2D39, key,
+                          truncate=2.0 if name == "truncated_normal" else None)
+    return tf.cast(mean + stddev * z, dtype)
+
+
+def _seed_key(seed) -> tf.Tensor:
+    """One uint32 from Keras's two-element seed tensor."""
+    seed = tf.cast(seed, tf.int64)
+    low = tf.cast(tf.bitwise.bitwise_and(seed[0], 0xFFFFFFFF), tf.uint32)
+    high = tf.cast(tf.bitwise.bitwise_and(seed[1], 0xFFFFFFFF), tf.uint32)
+    return tf.bitwise.bitwise_xor(low * tf.constant(0x9E3779B1, tf.uint32), high)
+
+
+# -- batches and steps ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _state_for(mesh: dtensor.Mesh, batch_axis: str):
+    from dtk.train import distribute  # pylint: disable=g-import-not-at-top
+    return distribute._MeshState(mesh, batch_axis)  # pylint: disable=protected-access
+
+
+def _mesh_state(distribution):
+    mesh = distribution.device_mesh.backend_mesh
+    axis = distribution.batch_dim_name or mesh.dim_names[0]
+    return _state_for(mesh, axis)
+
+
+def _on_mesh(model) -> bool:
+    """Whether ``model``'s variables are DTensors (built under a distribution)."""
+    for variable in model.variables:
+        value = getattr(variable, "_value", None)
+        if value is not None:
+            return isinstance(value, dtensor.DVariable)
+    return False
+
+
+def _model_distribution(model):
+    distribution = getattr(model, "_dtk_distribution", None)
+    if distribution is None:
+        distribution = _distribution()
+        if distribution is None:
+            raise ValueError(
+                f"model {model.name!r} holds DTensor variables (it was built under a "
+                "keras.distribution distribution) but no distribution is set now; train it "
+                "inside the same distribution (keras.distribution.set_distribution(...) or "
+                "its scope())")
+        model._dtk_distribution = distribution  # pylint: disable=protected-access
+    return distribution
+
+
+def _next_batches(iterator, count: int) -> list:
+    """Up to ``count`` batches from Keras's data iterator, on the host."""
+    batches = []
+    for _ in range(count):
+        try:
+            if isinstance(iterator, tf.data.Iterator):
+                batches.append(iterator.get_next())
+            else:
+                batches.append(next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if not batches:
+                raise StopIteration  # pylint: disable=raise-missing-from
+            break
+    return batches
+
+
+def _check_jit(model) -> None:
+    if model.jit_compile is True and not getattr(model, "_dtk_jit_said", False):
+        model._dtk_jit_said = True  # pylint: disable=protected-access
+        _log.warning(
+            "model %r: jit_compile=True on a mesh: the step is compiled by DTensor's SPMD "
+            "expansion, without XLA (measured on CPU: the same losses, no speed-up); it runs as "
+            "one traced function per batch shape", model.name)
+
+
+def _make_function(self, step_function):
+    """``TensorFlowTrainer._make_function`` for a model on the mesh: Keras's step, traced."""
+    if not _on_mesh(self):
+        return _ENABLED["_make_function"](self, step_function)
+    distribution = _model_distribution(self)
+    state = _mesh_state(distribution)
+    _check_jit(self)
+    mesh = state.mesh
+    def step(data):
+        _IN_STEP.append(True)
+        try:
+            return step_function(data)
+        finally:
+            _IN_STEP.pop()
+
+    # One trace per batch shape (two at most: a last partial batch), never a relaxed one of an
+    # unknown size: the mesh-invariant draws index every element of the batch.
+    traced = tf.function(step, reduce_retracing=False)
+
+    def function(iterator):
+        outputs = None
+        for data in _next_batches(iterator, int(self.steps_per_execution)):
+            batch = state.pack(data)
+            with dtensor.default_mesh(mesh):  # metric variables made in the first trace
+                outputs = traced(batch)
+        return outputs
+
+    return function
+
+
+def _make_predict_function(self, force: bool = False):
+    """``make_predict_function`` for a model on the mesh: Keras hands it a list of batches;
+    the outputs come back replicated (Keras concatenates them on the host)."""
+    if not _on_mesh(self):
+        return _ENABLED["make_predict_function"](self, force)
+    if self.predict_function is not None and not force:
+        return self.predict_function
+    distribution = _model_distribution(self)
+    state = _mesh_state(distribution)
+    _check_jit(self)
+
+    def step(data):
+        _IN_STEP.append(True)
+        try:
+            outputs = self.predict_step(data)
+        finally:
+            _IN_STEP.pop()
+        return tf.nest.map_structure(
+            lambda t: dtensor.relayout(t, dtensor.Layout.replicated(state.mesh, t.shape.rank))
+            if isinstance(t, tf.Tensor) else t, outputs)
+
+    traced = tf.function(step, reduce_retracing=True)
+
+    def function(datas):
+        outputs = None
+        for data in datas:
+            with dtensor.default_mesh(state.mesh):
+                step_outputs = traced(state.pack(data))
+            step_outputs = tf.nest.map_structure(
+                lambda t: dtensor.unpack(t)[0] if isinstance(t, tf.Tensor) and
+                dtensor.is_dtensor(t) else t, step_outputs)
+            outputs = step_outputs if outputs is None else tf.nest.map_structure(
+                lambda a, b: tf.concat([a, b], axis=0), outputs, step_outputs)
+        return outputs
+
+    self.predict_function = function
+    return function
