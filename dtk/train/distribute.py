@@ -271,7 +271,8 @@ class _MeshState:
             self.at_fit_end.pop()()
 
     def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
-                   class_weight: Any = None, validation_split: Any = None) -> None:
+                   class_weight: Any = None, validation_split: Any = None,
+                   keras2: bool = True) -> None:
         """Refuses, before Keras starts, what would fail inside a step on the mesh (where a
         failure cancels the process's collectives) or train silently wrong: a ``batch_size`` the
         batch axis cannot divide, Keras 3 callbacks, TensorBoard's weight histograms, string
@@ -279,11 +280,13 @@ class _MeshState:
 
         Raises:
           ValueError: naming the argument, its value, the axis and its size, and the fix.
-          TypeError: a Keras 3 callback, a ``batch_size`` that is not an integer.
+          TypeError: a Keras 3 callback (``keras2``), a ``batch_size`` that is not an integer.
         """
         for callback in tf.nest.flatten(callbacks) if callbacks is not None else ():
-            require_keras2(callback, f"{method}(callbacks=[...]) entry {type(callback).__name__}")
-            if isinstance(callback, tf_keras.callbacks.TensorBoard) and (
+            if keras2:  # (Keras 3's own fit, dtk.enable_keras_distribution, takes Keras 3's)
+                require_keras2(callback,
+                               f"{method}(callbacks=[...]) entry {type(callback).__name__}")
+            if type(callback).__name__ == "TensorBoard" and (
                     callback.histogram_freq or callback.embeddings_freq):
                 raise ValueError(
                     f"{method}(callbacks=[TensorBoard(histogram_freq={callback.histogram_freq}, "

@@ -89,6 +89,12 @@ def enable_keras_distribution() -> None:
     if _ENABLED:
         return
     keras = _keras()
+    if keras.distribution.distribution() is not None:
+        raise ValueError(
+            "dtk.enable_keras_distribution() after keras.distribution.set_distribution(...): "
+            "the TensorFlow backend had no distribution then, so what was built under it holds "
+            "plain variables. Call dtk.enable_keras_distribution() first, then set the "
+            "distribution and build the model")
     from keras.src.backend.tensorflow import core, trainer as tf_trainer  # pylint: disable=g-import-not-at-top
     from keras.src.backend.tensorflow import distribution_lib as backend_lib  # pylint: disable=g-import-not-at-top
     from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
@@ -98,7 +104,8 @@ def enable_keras_distribution() -> None:
     for name in ("numpy", "__array__", "_direct_assign"):
         _ENABLED[name] = getattr(core.Variable, name)
     core.Variable.numpy = _variable_numpy
-    core.Variable.__array__ = lambda self, dtype=None: np.asarray(_variable_numpy(self), dtype)
+    core.Variable.__array__ = lambda self, dtype=None, copy=None: np.asarray(
+        _variable_numpy(self), dtype)
     core.Variable._direct_assign = _direct_assign  # pylint: disable=protected-access
     for name in ("_make_function", "make_predict_function"):
         _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
@@ -108,7 +115,11 @@ def enable_keras_distribution() -> None:
     for name in ("uniform", "normal", "truncated_normal", "dropout"):
         _ENABLED[f"random.{name}"] = getattr(tf_random, name)
         setattr(tf_random, name, functools.partial(_draw, name))
+    for name, position in (("fit", 2), ("evaluate", 2), ("predict", 1)):
+        _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
+        setattr(tf_trainer.TensorFlowTrainer, name, _checked(name, position))
     backend_lib._to_backend_mesh = _to_backend_mesh  # pylint: disable=protected-access
+    backend_lib._to_backend_layout = _to_backend_layout  # pylint: disable=protected-access
     backend_lib.distribute_tensor = distribute_tensor
     backend_lib.distribute_variable = distribute_variable
     backend_lib.distribute_data_input = distribute_data_input
@@ -183,6 +194,22 @@ def _to_backend_mesh(device_mesh) -> dtensor.Mesh:
     return dtensor.create_mesh(list(zip(names, shape)), devices=full)
 
 
+def _to_backend_layout(tensor_layout) -> dtensor.Layout:
+    """A ``TensorLayout`` as a ``dtensor.Layout``, its axes checked against its mesh."""
+    mesh = tensor_layout.device_mesh
+    if mesh is None:
+        raise ValueError(f"TensorLayout(axes={tuple(tensor_layout.axes)}) has no device mesh; "
+                         "give it device_mesh=, or set it through a LayoutMap of a mesh")
+    for axis in tensor_layout.axes:
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(
+                f"TensorLayout(axes={tuple(tensor_layout.axes)}): axis {axis!r} is not an axis "
+                f"of the mesh (axes {list(mesh.axis_names)}, shape {tuple(mesh.shape)}); use one "
+                "of them, or None to keep that dim whole")
+    specs = [axis if axis else dtensor.UNSHARDED for axis in tensor_layout.axes]
+    return dtensor.Layout(sharding_specs=specs, mesh=mesh.backend_mesh)
+
+
 def _backend_layout(layout) -> dtensor.Layout:
     return layout.backend_layout if hasattr(layout, "backend_layout") else layout
 
@@ -195,11 +222,19 @@ def _initialize_variable(self, value) -> None:
     if distribution is None or isinstance(value, tf.Variable):
         return _ENABLED["initialize"](self, value)
     with tf.init_scope():
-        initial = value() if callable(value) else value
+        # Keras's own draws for initial values, even when the first step builds the model:
+        # the same numbers as plain Keras (dtk's mesh-invariant draws are for the step's).
+        in_step = list(_IN_STEP)
+        _IN_STEP.clear()
+        try:
+            initial = value() if callable(value) else value
+        finally:
+            _IN_STEP.extend(in_step)
         initial = tf.convert_to_tensor(initial, dtype=self._dtype)  # pylint: disable=protected-access
         if self._shape is None or None in tuple(self._shape):  # pylint: disable=protected-access
             self._shape = tuple(initial.shape)  # the layout's rank comes from it
         if self._layout is None:  # pylint: disable=protected-access
+            _check_one_key(distribution, self.path)
             self._layout = distribution.get_variable_layout(self)  # pylint: disable=protected-access
         layout = _backend_layout(self._layout)  # pylint: disable=protected-access
         if dtensor.is_dtensor(initial):
@@ -235,6 +270,21 @@ def _direct_assign(self, value) -> None:
     value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
     target.assign(dtensor.relayout(value, layout))
     return None
+
+
+def _check_one_key(distribution, path: str) -> None:
+    """A weight that two ``LayoutMap`` keys match is an error (Keras takes an exact key over a
+    pattern without a word, and raises only between patterns)."""
+    import re  # pylint: disable=g-import-not-at-top
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None:
+        return
+    keys = [k for k in layout_map if k == path or re.fullmatch(k, path)]
+    if len(keys) > 1:
+        raise ValueError(
+            f"variable {path!r} matches {len(keys)} LayoutMap keys {keys}: which layout it "
+            "gets would depend on the keys' order; make the patterns exclusive (keys are "
+            "regular expressions matched against the whole path)")
 
 
 def distribute_variable(value, layout):
@@ -343,12 +393,23 @@ def _mesh_state(distribution):
 
 
 def _on_mesh(model) -> bool:
-    """Whether ``model``'s variables are DTensors (built under a distribution)."""
+    """Whether ``model``'s variables are DTensors (built under a distribution); for a model
+    with no variables yet (a subclassed model built by its first batch), whether a
+    distribution is set."""
     for variable in model.variables:
         value = getattr(variable, "_value", None)
         if value is not None:
             return isinstance(value, dtensor.DVariable)
-    return False
+    return _distribution() is not None
+
+
+def _check_plain_model(model) -> None:
+    """A model of plain variables trained while a distribution is set: built before it."""
+    if _distribution() is not None and model.variables:
+        raise ValueError(
+            f"model {model.name!r} was built before keras.distribution.set_distribution(...) "
+            "(its variables are plain, on one device), but a distribution is set now: build "
+            "the model after setting the distribution (or inside distribution.scope())")
 
 
 def _model_distribution(model):
@@ -390,13 +451,56 @@ def _check_jit(model) -> None:
             "one traced function per batch shape", model.name)
 
 
+def _checked(name: str, position: int):
+    """Keras's ``fit``/``evaluate``/``predict`` with dtk's checks first, for a model on the mesh
+    (a ``batch_size`` the batch axis cannot divide, ...: ``dtk.distribute``'s, written once)."""
+    method = _ENABLED[name]
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if _on_mesh(self):
+            state = _mesh_state(_model_distribution(self))
+            size = kwargs.get("batch_size", args[position - 1] if len(args) >= position
+                              else None)
+            y = kwargs.get("y", args[1] if len(args) > 1 else None)
+            state.check_call(name, size, kwargs.get("callbacks"), y=y,
+                             class_weight=kwargs.get("class_weight"),
+                             validation_split=kwargs.get("validation_split"), keras2=False)
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+def _check_layout_map(model, distribution) -> None:
+    """Every key of a ``ModelParallel``'s ``LayoutMap`` lays out something of ``model``: a key
+    that matches no variable path and no layer output is an error (Keras ignores it, and the
+    weight it was meant for stays replicated)."""
+    import re  # pylint: disable=g-import-not-at-top
+    layout_map = getattr(distribution, "_layout_map", None)
+    if layout_map is None or getattr(model, "_dtk_layout_map_checked", False):
+        return
+    paths = [v.path for v in model.variables]
+    paths += [f"{layer.path}/output" for layer in model._flatten_layers()]  # pylint: disable=protected-access
+    unused = [key for key in layout_map
+              if not any(key == p or re.fullmatch(key, p) for p in paths)]
+    if unused:
+        raise ValueError(
+            f"LayoutMap key(s) {unused} match no variable or layer output of model "
+            f"{model.name!r}, so they lay out nothing (its variable paths: "
+            f"{', '.join(paths[:6])}{' ...' if len(paths) > 6 else ''}); fix the pattern (keys "
+            "are regular expressions matched against the whole path) or remove the key")
+    model._dtk_layout_map_checked = True  # pylint: disable=protected-access
+
+
 def _make_function(self, step_function):
     """``TensorFlowTrainer._make_function`` for a model on the mesh: Keras's step, traced."""
     if not _on_mesh(self):
+        _check_plain_model(self)
         return _ENABLED["_make_function"](self, step_function)
     distribution = _model_distribution(self)
     state = _mesh_state(distribution)
     _check_jit(self)
+    _check_layout_map(self, distribution)
     mesh = state.mesh
     def step(data):
         _IN_STEP.append(True)
@@ -424,6 +528,7 @@ def _make_predict_function(self, force: bool = False):
     """``make_predict_function`` for a model on the mesh: Keras hands it a list of batches;
     the outputs come back replicated (Keras concatenates them on the host)."""
     if not _on_mesh(self):
+        _check_plain_model(self)
         return _ENABLED["make_predict_function"](self, force)
     if self.predict_function is not None and not force:
         return self.predict_function

@@ -1,0 +1,325 @@
+"""Keras 3 (the ``keras`` package, TensorFlow backend) on the mesh: ``dtk.enable_keras_distribution``
+(issue 68). Keras's own distribution API, keras.io's guide as written plus the one call; every
+number against plain Keras 3 on one device (1e-5), random draws equal on every mesh."""
+
+from __future__ import annotations
+
+
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import dtk
+
+keras = pytest.importorskip("keras")
+from keras import layers  # noqa: E402  pylint: disable=g-import-not-at-top
+
+dtk.enable_keras_distribution()
+
+RTOL, ATOL = 1e-5, 1e-6
+# (data, model) device meshes: one device, data parallel, data x model parallel
+SHAPES = [(1, 1), (8, 1), (2, 4)]
+
+
+@pytest.fixture(autouse=True)
+def _no_distribution_left():
+    keras.distribution.set_distribution(None)
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _mesh(shape):
+    devices = keras.distribution.list_devices()[:shape[0] * shape[1]]
+    return keras.distribution.DeviceMesh(shape=shape, axis_names=["data", "model"],
+                                         devices=devices)
+
+
+def _model_parallel(shape, **keys):
+    """The guide's ModelParallel: d1's kernel split over ``model`` on its output dim."""
+    layout_map = keras.distribution.LayoutMap(_mesh(shape))
+    layout_map["d1/kernel"] = (None, "model")
+    layout_map["d1/bias"] = ("model",)
+    for key, value in keys.items():
+        layout_map[key] = value
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def _images(n=192, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 28, 28, 1)).astype("float32")
+    return x, keras.utils.to_categorical(rng.integers(0, 10, n), 10)
+
+
+def _guide_model(dropout=0.0):
+    """keras.io's "Distributed training with Keras" model (Dropout(0.4) in the guide)."""
+    inputs = layers.Input(shape=(28, 28, 1))
+    y = layers.Flatten()(inputs)
+    y = layers.Dense(units=200, activation="relu", name="d1")(y)
+    if dropout:
+        y = layers.Dropout(dropout)(y)
+    outputs = layers.Dense(units=10, activation="softmax", name="d2")(y)
+    return keras.Model(inputs=inputs, outputs=outputs)
+
+
+def _both(distribution, run, seed=0):
+    """``run()`` on one device with plain Keras 3, then under ``distribution``."""
+    keras.utils.set_random_seed(seed)
+    plain = run()
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(seed)
+    return plain, run()
+
+
+def _close(a, b, what):
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=RTOL, atol=ATOL,
+                                   err_msg=what)
+
+
+def _specs(variable):
+    return dtensor.fetch_layout(variable.value).sharding_specs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_guides_model_parallel_fit_evaluate_predict_equal_plain_keras(shape):
+    """keras.io's guide: DeviceMesh, LayoutMap (d1 split over "model"), ModelParallel with
+    batch_dim_name="data", set_distribution; compile/fit with validation_split and a metric,
+    evaluate, predict (a last partial batch each): every number equals plain Keras 3, the
+    kernel is split over "model" and its optimizer slots take its layout."""
+    x, y = _images()
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="mse", optimizer="adam", metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=32, epochs=2, validation_split=0.25,
+                            shuffle=False, verbose=0)
+        return (model, history.history, model.evaluate(x, y, batch_size=40, verbose=0),
+                model.predict(x[:50], batch_size=16, verbose=0))
+
+    (plain, want, want_eval, want_pred), (model, got, got_eval, got_pred) = _both(
+        _model_parallel(shape), run)
+    assert set(got) == set(want)
+    for key in want:
+        _close(want[key], got[key], key)
+    _close(want_eval, got_eval, "evaluate")
+    _close(want_pred, got_pred, "predict")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+    kernel = model.get_layer("d1").kernel
+    assert _specs(kernel) == [dtensor.UNSHARDED, "model"]
+    if shape[1] > 1:
+        assert dtensor.unpack(kernel.value.read_value())[0].shape == (784, 200 // shape[1])
+    slots = [v for v in model.optimizer.variables if v.path.endswith("d1_kernel_momentum")]
+    assert slots and all(_specs(v) == _specs(kernel) for v in slots)
+
+
+def test_the_guides_data_parallel_equals_plain_keras():
+    """DataParallel() over every device (the guide's first part): weights replicated, the batch
+    split; fit's numbers are plain Keras 3's."""
+    x, y = _images()
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="mse", optimizer="adam")
+        return model, model.fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                                verbose=0).history["loss"]
+
+    (plain, want), (model, got) = _both(keras.distribution.DataParallel(), run)
+    _close(want, got, "loss")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+    assert _specs(model.get_layer("d1").kernel) == [dtensor.UNSHARDED] * 2
+
+
+def test_dropout_draws_the_same_numbers_on_every_mesh():
+    """The guide's Dropout(0.4): Keras's seeded draws become dtk's counter-based hash inside
+    a step on the mesh, so the losses and weights are the same on every mesh shape."""
+    x, y = _images(128)
+    results = []
+    for shape in SHAPES:
+        keras.distribution.set_distribution(_model_parallel(shape))
+        keras.utils.set_random_seed(0)
+        model = _guide_model(dropout=0.4)
+        model.compile(loss="mse", optimizer="adam")
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        results.append((history.history["loss"], model.get_weights()))
+    for loss, weights in results[1:]:
+        _close(results[0][0], loss, "loss")
+        _close(results[0][1], weights, "weights")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_keras_fit_arguments_and_callbacks_equal_plain_keras(shape):
+    """class_weight, sample_weight, validation_data, a tf.data dataset, EarlyStopping and
+    LearningRateScheduler, the *_on_batch methods: plain Keras 3's numbers."""
+    x, y = _images(160, seed=1)
+    labels = y.argmax(-1)
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="sparse_categorical_crossentropy",
+                      optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      metrics=["accuracy"])
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1.0)
+        schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: float(lr) * 0.5)
+        first = model.fit(x, labels, batch_size=32, epochs=3, shuffle=False, verbose=0,
+                          class_weight={i: 1.0 + i / 10 for i in range(10)},
+                          validation_data=(x[:40], labels[:40]), callbacks=[stop, schedule])
+        data = tf.data.Dataset.from_tensor_slices((x, labels, weights)).batch(32)
+        second = model.fit(data, epochs=2, verbose=0)
+        on_batch = [model.train_on_batch(x[:32], labels[:32]),
+                    model.test_on_batch(x[32:64], labels[32:64])]
+        return (model, first.history, second.history, on_batch,
+                model.predict_on_batch(x[:16]))
+
+    (plain, *want), (model, *got) = _both(_model_parallel(shape), run)
+    assert len(want[0]["loss"]) < 3  # EarlyStopping stopped both runs early
+    for w, g in zip(want[:2], got[:2]):
+        assert set(w) == set(g)
+        for key in w:
+            _close(w[key], g[key], key)
+    _close(np.ravel(want[2]), np.ravel(got[2]), "on_batch")
+    _close(want[3], got[3], "predict_on_batch")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+
+
+def test_a_subclassed_models_own_train_step_equals_plain_keras():
+    """keras.io's "Customizing what happens in fit()": a subclassed model's train_step with a
+    GradientTape, self.optimizer.apply and its own loss tracker."""
+
+    class CustomModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d1 = layers.Dense(32, activation="relu", name="d1")
+            self.d2 = layers.Dense(1, name="d2")
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        def call(self, inputs):
+            return self.d2(self.d1(inputs))
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = keras.ops.mean(keras.ops.square(y - y_pred))
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(gradients, self.trainable_variables)
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+        @property
+        def metrics(self):
+            return [self.loss_tracker]
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(128, 16)).astype("float32")
+    y = rng.normal(size=(128, 1)).astype("float32")
+
+    def run():
+        model = CustomModel()  # built by its first batch, as the page's is
+        model.compile(optimizer="adam")
+        return model, model.fit(x, y, batch_size=32, epochs=3, shuffle=False,
+                                verbose=0).history["loss"]
+
+    distribution = keras.distribution.DataParallel()
+    (plain, want), (model, got) = _both(distribution, run)
+    _close(want, got, "loss")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_a_sharded_models_files_load_in_plain_keras(tmp_path, shape):
+    """model.save("m.keras") and save_weights of a model split over "model": plain Keras 3 (no
+    distribution) loads them with the same predictions; load_weights back into a sharded model
+    restores every weight."""
+    x, y = _images(64)
+    keras.distribution.set_distribution(_model_parallel(shape))
+    keras.utils.set_random_seed(0)
+    model = _guide_model()
+    model.compile(loss="mse", optimizer="adam")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    want = model.predict(x, batch_size=32, verbose=0)
+    model.save(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    trained = model.get_weights()
+    keras.distribution.set_distribution(None)
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    _close([want], [loaded.predict(x, batch_size=32, verbose=0)], "predict")
+    keras.distribution.set_distribution(_model_parallel(shape))
+    again = _guide_model()
+    again.load_weights(tmp_path / "m.weights.h5")
+    _close(trained, again.get_weights(), "weights")
+    assert _specs(again.get_layer("d1").kernel)[1] == "model"
+
+
+# -- bad input: one clear error each -------------------------------------------------------------
+def test_a_layout_map_key_that_matches_nothing_is_an_error():
+    x, y = _images(32)
+    keras.distribution.set_distribution(_model_parallel((2, 4), **{"d9/kernel": (None, "model")}))
+    model = _guide_model()
+    model.compile(loss="mse", optimizer="adam")
+    with pytest.raises(ValueError, match=r"LayoutMap key\(s\) \['d9/kernel'\] match no variable"):
+        model.fit(x, y, batch_size=32, verbose=0)
+
+
+def test_two_layout_map_keys_that_match_one_weight_are_an_error():
+    keras.distribution.set_distribution(_model_parallel((2, 4), **{"d1/.*": (None, "model")}))
+    with pytest.raises(ValueError, match=r"variable 'd1/kernel' matches 2 LayoutMap keys"):
+        _guide_model()
+
+
+def test_a_layout_axis_that_is_not_in_the_mesh_is_an_error():
+    """(Keras's own check, when the layout is set: it names the mesh's axes.)"""
+    with pytest.raises(ValueError, match=r"Invalid axis names for Layout.*Got \{'modle'\}"):
+        _model_parallel((2, 4), **{"d2/kernel": ("modle", None)})
+
+
+def test_a_batch_size_the_batch_axis_cannot_split_is_an_error():
+    x, y = _images(64)
+    keras.distribution.set_distribution(_model_parallel((8, 1)))
+    model = _guide_model()
+    model.compile(loss="mse", optimizer="adam")
+    with pytest.raises(ValueError, match=r"fit\(batch_size=30\): mesh axis 'data' of size 8 "
+                                         r"cannot split it.*24 or 32"):
+        model.fit(x, y, batch_size=30, verbose=0)
+
+
+def test_a_model_built_before_the_distribution_is_an_error():
+    x, y = _images(32)
+    model = _guide_model()
+    model.compile(loss="mse", optimizer="adam")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    with pytest.raises(ValueError, match="was built before keras.distribution.set_distribution"):
+        model.fit(x, y, batch_size=32, verbose=0)
+
+
+def test_another_backend_or_an_untested_keras_is_one_clear_error(monkeypatch):
+    from dtk.train import keras3  # pylint: disable=g-import-not-at-top
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    with pytest.raises(ValueError, match="KERAS_BACKEND='jax'"):
+        keras3._keras()  # pylint: disable=protected-access
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    with pytest.raises(RuntimeError, match=r"keras 3.99.0 is not a version dtk's seams were "
+                                           r"tested on \(3.15.x\)"):
+        keras3._keras()  # pylint: disable=protected-access
+
+
+def test_enabling_after_set_distribution_is_an_error():
+    """(A fresh process: this one has enabled it already.)"""
+    from tests import procs  # pylint: disable=g-import-not-at-top
+    done = procs.run_python(
+        "import dtk, keras\n"
+        "keras.distribution.set_distribution(keras.distribution.DataParallel())\n"
+        "try:\n    dtk.enable_keras_distribution()\n"
+        "except ValueError as e:\n    print('refused:', e)\n",
+        env=procs.base_env(TF_USE_LEGACY_KERAS="0", DTK_VIRTUAL_DEVICES="8"), timeout=120)
+    assert "refused: dtk.enable_keras_distribution() after keras.distribution." \
+           "set_distribution" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_keras3_model_on_the_tf_keras_path_names_the_way():
+    with pytest.raises(TypeError, match="Keras 3"):
+        dtk.distribute(_guide_model, dtk.build_mesh("batch=8"))
+
