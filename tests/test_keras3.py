@@ -323,3 +323,36 @@ def test_a_keras3_model_on_the_tf_keras_path_names_the_way():
     with pytest.raises(TypeError, match="Keras 3"):
         dtk.distribute(_guide_model, dtk.build_mesh("batch=8"))
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["dp", "mp"])
+def test_two_clients_with_keras_initialize_equal_one_process(tmp_path, mesh):
+    """``keras.distribution.initialize()`` under dtk's launcher (2 clients x 4 CPUs), Keras's
+    auto-sharded tf.data input (each process reads its own rows), DataParallel or the guide's
+    ModelParallel, Dropout: the losses, metrics, evaluation and weights of one process on 8
+    CPUs, bit for bit."""
+    import json  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    from tests import procs  # pylint: disable=g-import-not-at-top
+    client = str(procs.REPO / "tests" / "mc_keras3_client.py")
+    env = {"TF_USE_LEGACY_KERAS": "0", "MC_MESH": mesh}
+    one = subprocess.Popen(
+        [sys.executable, client], cwd=procs.REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+        env=procs.base_env(**env, DTK_VIRTUAL_DEVICES="8", MC_OUT=str(tmp_path / "one.json")))
+    try:
+        two = subprocess.run(
+            [sys.executable, "-m", "dtk.cluster.launch", "--num_clients", "2",
+             "--devices_per_client", "4", "--", sys.executable, client], cwd=procs.REPO,
+            capture_output=True, text=True, timeout=300,
+            env=procs.base_env(**env, MC_OUT=str(tmp_path / "two.json")))
+        _, err = one.communicate(timeout=300)
+    finally:
+        if one.poll() is None:
+            one.kill()
+    assert one.returncode == 0, err[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    want, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert got == want

@@ -333,23 +333,38 @@ class _MeshState:
                 "batch_size (the data's remainder) is fine: dtk runs it whole on every device, "
                 "with Keras's numbers")
 
-    def pack(self, data: Any) -> Any:
+    def pack(self, data: Any, *, local: bool = False) -> Any:
         """A batch from Keras's data adapter, on the mesh: sharded over the batch axis on dim 0
         when the axis divides it (``dtk.data.input.pack``, which takes each local device's rows
         from its coordinates, on any mesh and client count), else replicated (the last partial
         batch: every device computes the whole of it, so its numbers are Keras's; one more
-        trace)."""
+        trace). ``local``: the batch holds this client's rows only (Keras 3's per-process
+        batches)."""
         present = [t for t in tf.nest.flatten(data) if t is not None]
         arrays = [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in present]
         rows = {a.shape[0] for a in arrays if a.ndim}
-        if len(rows) == 1 and next(iter(rows)) % self.size == 0 and all(a.ndim for a in arrays):
-            packed = iter(pack(self.mesh, arrays, batch_axis=self.batch_axis))
+        share = self.size // self.clients_on_axis() if local else self.size
+        if len(rows) == 1 and next(iter(rows)) % share == 0 and all(a.ndim for a in arrays):
+            packed = iter(pack(self.mesh, arrays, batch_axis=self.batch_axis, local=local))
+        elif local:
+            raise ValueError(
+                f"a batch of {sorted(rows)} rows on this client cannot be split over its "
+                f"{share} device(s) of mesh axis {self.batch_axis!r}: with several processes "
+                "each batch must fill every device (batch the dataset with "
+                "drop_remainder=True, or a global batch size that is a multiple of "
+                f"{self.size})")
         else:
             local = len(self.mesh.local_device_locations())
             packed = iter(dtensor.pack([a] * local, dtensor.Layout.replicated(self.mesh, a.ndim))
                           for a in arrays)
         return tf.nest.map_structure(lambda t: None if t is None else next(packed), data)
 
+
+    def clients_on_axis(self) -> int:
+        """How many clients hold distinct rows of the batch axis."""
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+        local = {loc[self.batch_axis] for loc in self.mesh.local_device_locations()}
+        return max(1, min(cluster.num_clients(), self.size // max(1, len(local))))
 
     def stackable(self, datas: list) -> int:
         """How many of ``datas``, from the first, can run as one compiled call of several steps:

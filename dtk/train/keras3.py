@@ -167,8 +167,15 @@ def initialize(job_addresses=None, num_processes=None, process_id=None) -> None:
         os.environ["DTENSOR_JOBS"] = ",".join(addresses)
         os.environ["DTENSOR_CLIENT_ID"] = str(int(process_id))
         os.environ.setdefault("DTENSOR_JOB_NAME", "worker")
+    from dtk import _env  # pylint: disable=g-import-not-at-top
     from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     cluster.apply_scheduler_env()
+    # The clients join now, so that list_devices() (DataParallel(), DeviceMesh) lists every
+    # client's devices.
+    kind = mesh_lib.resolve_device_type("auto")
+    virtual = _env.get_int(_env.VIRTUAL_DEVICES) if kind == "CPU" else None
+    mesh_lib._initialize(kind, mesh_lib._devices_per_client(kind, virtual), virtual)  # pylint: disable=protected-access
 
 
 def _to_backend_mesh(device_mesh) -> dtensor.Mesh:
@@ -306,10 +313,9 @@ def distribute_tensor(tensor, layout):
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
     """A batch of this process's rows laid out over ``batch_dim_name`` (``layout``'s mesh)."""
-    del layout
-    state = _mesh_state(_distribution())
-    del batch_dim_name
-    return state.pack(per_process_batch)
+    del layout, batch_dim_name
+    distribution = _distribution()
+    return _mesh_state(distribution).pack(per_process_batch, local=_per_process(distribution))
 
 
 # -- random draws ---------------------------------------------------------------------------------
@@ -442,6 +448,15 @@ def _next_batches(iterator, count: int) -> list:
     return batches
 
 
+def _per_process(distribution) -> bool:
+    """Whether each process's batches hold only its own rows: Keras shards a ``tf.data``
+    dataset over the processes (``auto_shard_dataset``, multi-process), in the order of the
+    clients' devices on the batch axis; otherwise every process reads the global batch and
+    packs its own devices' rows from it."""
+    return bool(getattr(distribution, "_is_multi_process", False) and
+                getattr(distribution, "auto_shard_dataset", False))
+
+
 def _check_jit(model) -> None:
     if model.jit_compile is True and not getattr(model, "_dtk_jit_said", False):
         model._dtk_jit_said = True  # pylint: disable=protected-access
@@ -513,10 +528,12 @@ def _make_function(self, step_function):
     # unknown size: the mesh-invariant draws index every element of the batch.
     traced = tf.function(step, reduce_retracing=False)
 
+    local = _per_process(distribution)
+
     def function(iterator):
         outputs = None
         for data in _next_batches(iterator, int(self.steps_per_execution)):
-            batch = state.pack(data)
+            batch = state.pack(data, local=local)
             with dtensor.default_mesh(mesh):  # metric variables made in the first trace
                 outputs = traced(batch)
         return outputs
@@ -548,11 +565,13 @@ def _make_predict_function(self, force: bool = False):
 
     traced = tf.function(step, reduce_retracing=True)
 
+    local = _per_process(distribution)
+
     def function(datas):
         outputs = None
         for data in datas:
             with dtensor.default_mesh(state.mesh):
-                step_outputs = traced(state.pack(data))
+                step_outputs = traced(state.pack(data, local=local))
             step_outputs = tf.nest.map_structure(
                 lambda t: dtensor.unpack(t)[0] if isinstance(t, tf.Tensor) and
                 dtensor.is_dtensor(t) else t, step_outputs)
