@@ -107,6 +107,11 @@ VARIANTS = {
     "dtk_batch1_seq8_a2a": "LM: batch=1,seq=8, all-to-all attention (Ulysses)",
     "dtk_batch2_expert4": "MoE LM: batch=2,expert=4 (experts over expert, tokens over both)",
     "dtk_batch4_expert2": "MoE LM: batch=4,expert=2",
+    "keras3_fit": "plain Keras 3 (TensorFlow backend) Model.fit, 1 device",
+    "keras3_mirrored_fit": "Keras 3 fit under tf.distribute.MirroredStrategy over 8 virtual CPUs",
+    "keras3_dtk": "Keras 3 fit, dtk.enable_keras_distribution + DataParallel over 8 devices, "
+                  "steps_per_execution=32",
+    "keras3_dtk_spe1": "Keras 3 fit, dtk's DataParallel over 8 devices, one step per call",
     "dtk_batch8_sparse": "recsys: dtk Steps, batch=8, tables row-sharded over batch, lazy Adam (sparse)",
     "dtk_batch4_model2_sparse": "recsys: dtk Steps, batch=4,model=2, tables row-sharded over model, lazy Adam",
 }
@@ -226,6 +231,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     if workload.startswith("recsys"):
         return _recsys_worker(variant, workload, spec, steps)
     batch, hidden = spec["batch"], spec["hidden"]
+    if variant.startswith("keras3"):
+        return _keras3_worker(variant, workload, spec, steps)
     spe = 10 if "_spe" in variant else 32 if variant == "dtk_default" else 1
     rng = np.random.default_rng(0)
     x = rng.random((spe, batch, 28, 28, 1), dtype=np.float32)
@@ -291,6 +298,57 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         first += build_s
     return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
             "first_step_s": first, "timed_steps": len(times) * spe}
+
+
+def _keras3_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:
+    """Keras 3's own ``fit`` (the ``keras`` package, TensorFlow backend) on one device, under
+    MirroredStrategy, or on dtk's DataParallel (``dtk.enable_keras_distribution``): the MLP
+    workloads with Adam and accuracy, the same data as the other variants; ms/step from the
+    batch-end times of Keras's callbacks (one per compiled call)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import dtk  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if variant != "keras3_fit":
+        _devices(dtk)
+    import keras  # pylint: disable=g-import-not-at-top
+    batch, hidden = spec["batch"], spec["hidden"]
+    spe = 32 if variant == "keras3_dtk" else 1
+    rng = np.random.default_rng(0)
+    x = rng.random((batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, (batch,)).astype(np.int64)
+
+    def build():
+        layers = [keras.Input((28, 28, 1)), keras.layers.Flatten()]
+        layers += [keras.layers.Dense(u, activation="relu") for u in hidden]
+        model = keras.Sequential(layers + [keras.layers.Dense(10)])
+        model.compile(optimizer="adam", metrics=["accuracy"], steps_per_execution=spe,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    if variant == "keras3_mirrored_fit":
+        strategy = tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(8)] if _device() == "cpu" else None)
+        with strategy.scope():
+            model = build()
+    else:
+        if variant.startswith("keras3_dtk"):
+            dtk.enable_keras_distribution()
+            keras.distribution.set_distribution(keras.distribution.DataParallel())
+        model = build()
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    stamps = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: (float(logs["loss"]),
+                                            stamps.append(time.perf_counter())))
+    start = time.perf_counter()
+    model.fit(data, epochs=1, steps_per_epoch=spe, verbose=0, callbacks=[callback])
+    first = time.perf_counter() - start
+    stamps.clear()
+    calls = max(4, -(-steps // spe)) + 3
+    model.fit(data, epochs=1, steps_per_epoch=calls * spe, verbose=0, callbacks=[callback])
+    times = [1000 * (b - a) / spe for a, b in zip(stamps[2:], stamps[3:])]
+    return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
+            "first_step_s": first, "timed_steps": len(times) * spe, "steps_per_execution": spe}
 
 
 def _lm_worker(variant: str, workload: str, spec: dict, steps: int) -> dict:

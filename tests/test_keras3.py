@@ -87,7 +87,8 @@ def test_the_guides_model_parallel_fit_evaluate_predict_equal_plain_keras(shape)
     """keras.io's guide: DeviceMesh, LayoutMap (d1 split over "model"), ModelParallel with
     batch_dim_name="data", set_distribution; compile/fit with validation_split and a metric,
     evaluate, predict (a last partial batch each): every number equals plain Keras 3, the
-    kernel is split over "model" and its optimizer slots take its layout."""
+    kernel is split over "model" and its optimizer slots take its layout (and "data": dtk's
+    sharded update)."""
     x, y = _images()
 
     def run():
@@ -110,8 +111,16 @@ def test_the_guides_model_parallel_fit_evaluate_predict_equal_plain_keras(shape)
     assert _specs(kernel) == [dtensor.UNSHARDED, "model"]
     if shape[1] > 1:
         assert dtensor.unpack(kernel.value.read_value())[0].shape == (784, 200 // shape[1])
-    slots = [v for v in model.optimizer.variables if v.path.endswith("d1_kernel_momentum")]
-    assert slots and all(_specs(v) == _specs(kernel) for v in slots)
+    # Adam's moments: the kernel's layout, plus dtk's sharded update over "data" (each device
+    # keeps and updates its slice) where the data axis has several devices
+    # (64K+ elements a device: on (8, 1) the 784 x 200 kernel's state is cut 8 ways)
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
+    want_specs = steps.update_layout(kernel.value, kernel.value.layout.mesh, "data") \
+        .sharding_specs
+    assert want_specs[1] == "model"
+    assert want_specs[0] == ("data" if shape == (8, 1) else dtensor.UNSHARDED)
+    slots = [v for v in model.optimizer.variables if "d1_kernel" in v.path]
+    assert len(slots) == 2 and all(_specs(v) == want_specs for v in slots)
 
 
 def test_the_guides_data_parallel_equals_plain_keras():
@@ -356,3 +365,21 @@ def test_two_clients_with_keras_initialize_equal_one_process(tmp_path, mesh):
     assert two.returncode == 0, two.stderr[-2000:]
     want, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert got == want
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_several_steps_per_call_equal_plain_keras(shape):
+    """compile(steps_per_execution=4): the batches of one call run as one compiled loop over
+    them stacked (a last partial batch on its own); plain Keras 3's numbers, 1e-5."""
+    x, y = _images(200, seed=4)
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="mse", optimizer="adam", steps_per_execution=4, metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model, history.history
+
+    (plain, want), (model, got) = _both(_model_parallel(shape), run)
+    for key in want:
+        _close(want[key], got[key], key)
+    _close(plain.get_weights(), model.get_weights(), "weights")

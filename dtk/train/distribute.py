@@ -366,7 +366,7 @@ class _MeshState:
         local = {loc[self.batch_axis] for loc in self.mesh.local_device_locations()}
         return max(1, min(cluster.num_clients(), self.size // max(1, len(local))))
 
-    def stackable(self, datas: list) -> int:
+    def stackable(self, datas: list, *, local: bool = False) -> int:
         """How many of ``datas``, from the first, can run as one compiled call of several steps:
         batches of the first one's structure and shapes that the batch axis divides (a last
         partial batch runs on its own)."""
@@ -376,15 +376,16 @@ class _MeshState:
 
         first = shapes(datas[0])
         rows = {s[0] for s in first if s is not None and len(s)}
+        share = self.size // self.clients_on_axis() if local else self.size
         if len(rows) != 1 or any(s is not None and not s for s in first) or \
-                next(iter(rows)) % self.size:
+                next(iter(rows)) % share:
             return 1
         count = 1
         while count < len(datas) and shapes(datas[count]) == first:
             count += 1
         return count
 
-    def pack_stack(self, datas: list) -> Any:
+    def pack_stack(self, datas: list, *, local: bool = False) -> Any:
         """``datas`` (batches of one structure and shape) stacked ``[n, B, ...]`` on the mesh,
         sharded over the batch axis on dim 1 (``dtk.data.input.pack(stacked=True)``)."""
         leaves = [tf.nest.flatten(d) for d in datas]
@@ -392,7 +393,8 @@ class _MeshState:
             [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in column])
             for column in zip(*leaves)]
         present = [a for a in stacked if a is not None]
-        packed = iter(pack(self.mesh, present, batch_axis=self.batch_axis, stacked=True))
+        packed = iter(pack(self.mesh, present, batch_axis=self.batch_axis, stacked=True,
+                           local=local))
         return tf.nest.pack_sequence_as(
             datas[0], [None if a is None else next(packed) for a in stacked])
 
@@ -433,43 +435,7 @@ def _maker(step_name: str, attr: str) -> Callable:
         # never one of an unknown size: dtk's mesh-invariant draws (Dropout) and gradient
         # accumulation need the batch's static size (a relaxed trace fell back to Keras's own
         # draws, which depend on the mesh, for the last partial batch).
-        traced = tf.function(traced_body, reduce_retracing=not training)
-
-        # Several steps per call (compile(steps_per_execution=n)): n batches stacked [n, B, ...]
-        # and one compiled call that loops over them (tf.gather of step i: indexing fails under
-        # DTensor), as dtk's Trainer runs them: the same updates as n calls, with one dispatch.
-        # The loop carries the step's logs; it starts from zeros laid out as a one-step call's.
-        logs_layouts = []
-
-        def many_body(stack):
-            n = int(next(t for t in tf.nest.flatten(stack) if t is not None).shape[0])
-            structure, layouts_ = logs_layouts[0]
-            zeros = tf.nest.pack_sequence_as(structure, [
-                dtensor.call_with_layout(tf.zeros, layout, shape=shape, dtype=dtype)
-                for layout, shape, dtype in layouts_])
-
-            def loop(i, _):
-                data = tf.nest.map_structure(
-                    lambda t: None if t is None else tf.gather(t, i), stack)
-                return i + 1, traced_body(data)
-
-            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
-
-        traced_many = tf.function(many_body, reduce_retracing=False)
-
-        def remember_layouts(outputs):
-            """The one-step call's logs, as the loop's starting values: all DTensors, else
-            several steps per call run as one call each."""
-            if logs_layouts:
-                return
-            leaves = tf.nest.flatten(outputs)
-            if leaves and all(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in leaves):
-                logs_layouts.append((outputs, [(dtensor.fetch_layout(t), t.shape, t.dtype)
-                                               for t in leaves]))
-            else:
-                logs_layouts.append(None)
-
-        fresh = [True]
+        calls = MeshCalls(traced_body, state, reduce_retracing=not training)
         traced_with = getattr(self, "optimizer", None)
 
         def function(iterator):
@@ -481,44 +447,101 @@ def _maker(step_name: str, attr: str) -> Callable:
                     "it was compiled with, so the new one would be silently ignored. Change the "
                     "optimizer's learning rate instead (LearningRateScheduler, "
                     "ReduceLROnPlateau), or compile() again between fits")
-            outputs = None
             if training and state.skip_batches:
                 for _ in range(state.skip_batches):  # trained before the checkpoint
                     next(iterator)
                 state.skip_batches = 0
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
             per_call = 1 if spe is None or step_name == "predict_step" else int(spe.numpy())
-            datas = []
-            for i in range(per_call):
-                try:
-                    datas.append(next(iterator))
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    if i == 0:
-                        raise
-                    break
-            if len(datas) > 1 and not fresh and logs_layouts[0] is not None:
-                stacked = state.stackable(datas)
-                if stacked > 1:
-                    outputs = traced_many(state.pack_stack(datas[:stacked]))
-                    datas = datas[stacked:]
-            for data in datas:
-                batch = state.pack(data)
-                if traced.experimental_get_tracing_count() and not fresh:
-                    outputs = traced(batch)
-                    continue
-                # Variables Keras makes in the first trace (metrics' state, built on first use)
-                # are made on the mesh, replicated: one not on it computes wrong values there.
-                # (Only then: the scope costs about a millisecond a call.)
-                with dtensor.default_mesh(state.mesh):
-                    outputs = traced(batch)
-                fresh.clear()
-                remember_layouts(outputs)
-            return outputs
+            return calls(next_batches(iterator, per_call))
 
         setattr(self, attr, function)
         return function
 
     return make
+
+
+def next_batches(iterator: Any, count: int) -> list:
+    """Up to ``count`` batches from Keras's data iterator (a Python iterator or a
+    ``tf.data.Iterator``), on the host; ``StopIteration`` when it has none."""
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(iterator.get_next() if isinstance(iterator, tf.data.Iterator)
+                           else next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if not batches:
+                raise StopIteration  # pylint: disable=raise-missing-from
+            break
+    return batches
+
+
+class MeshCalls:
+    """A Keras step (``body``: a batch on the mesh -> its logs) compiled for the mesh, called on
+    host batches: the compiled function of both Kerases' ``make_*_function`` seams.
+
+    Several batches in one call (``steps_per_execution``) of one shape run as one compiled call
+    that loops over them stacked ``[n, B, ...]`` (``tf.gather`` of step i: indexing fails under
+    DTensor): the same updates as n calls, with one dispatch, as dtk's Trainer runs them. The
+    loop carries the step's logs from zeros laid out as a one-step call's. A last partial batch
+    runs on its own.
+    """
+
+    def __init__(self, body: Callable, state: "_MeshState", *, reduce_retracing: bool,
+                 local: bool = False):
+        self.state, self.local = state, local
+        self.traced = tf.function(body, reduce_retracing=reduce_retracing)
+        self._logs_layouts: list = []
+
+        def many_body(stack):
+            n = int(next(t for t in tf.nest.flatten(stack) if t is not None).shape[0])
+            structure, layouts_ = self._logs_layouts[0]
+            zeros = tf.nest.pack_sequence_as(structure, [
+                dtensor.call_with_layout(tf.zeros, layout, shape=shape, dtype=dtype)
+                for layout, shape, dtype in layouts_])
+
+            def loop(i, _):
+                data = tf.nest.map_structure(
+                    lambda t: None if t is None else tf.gather(t, i), stack)
+                return i + 1, body(data)
+
+            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
+
+        self.traced_many = tf.function(many_body, reduce_retracing=False)
+        self._fresh = True
+
+    def _remember_layouts(self, outputs) -> None:
+        """The one-step call's logs, as the loop's starting values: all DTensors, else several
+        steps per call run as one call each."""
+        if self._logs_layouts:
+            return
+        leaves = tf.nest.flatten(outputs)
+        if leaves and all(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in leaves):
+            self._logs_layouts.append((outputs, [(dtensor.fetch_layout(t), t.shape, t.dtype)
+                                                 for t in leaves]))
+        else:
+            self._logs_layouts.append(None)
+
+    def __call__(self, datas: list) -> Any:
+        state, outputs = self.state, None
+        if len(datas) > 1 and not self._fresh and self._logs_layouts[0] is not None:
+            stacked = state.stackable(datas, local=self.local)
+            if stacked > 1:
+                outputs = self.traced_many(state.pack_stack(datas[:stacked], local=self.local))
+                datas = datas[stacked:]
+        for data in datas:
+            batch = state.pack(data, local=self.local)
+            if self.traced.experimental_get_tracing_count() and not self._fresh:
+                outputs = self.traced(batch)
+                continue
+            # Variables Keras makes in the first trace (metrics' state, built on first use) are
+            # made on the mesh, replicated: one not on it computes wrong values there. (Only
+            # then: the scope costs about a millisecond a call.)
+            with dtensor.default_mesh(state.mesh):
+                outputs = self.traced(batch)
+            self._fresh = False
+            self._remember_layouts(outputs)
+        return outputs
 
 
 def _accumulated_train_step(model: tf_keras.Model, state: _MeshState, data: Any) -> Any:

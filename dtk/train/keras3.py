@@ -107,6 +107,12 @@ def enable_keras_distribution() -> None:
     core.Variable.__array__ = lambda self, dtype=None, copy=None: np.asarray(
         _variable_numpy(self), dtype)
     core.Variable._direct_assign = _direct_assign  # pylint: disable=protected-access
+    from keras.src.optimizers import base_optimizer  # pylint: disable=g-import-not-at-top
+    _ENABLED["add_variable_from_reference"] = \
+        base_optimizer.BaseOptimizer.add_variable_from_reference
+    base_optimizer.BaseOptimizer.add_variable_from_reference = _add_slot
+    _ENABLED["apply"] = base_optimizer.BaseOptimizer.apply
+    base_optimizer.BaseOptimizer.apply = _apply
     for name in ("_make_function", "make_predict_function"):
         _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
     tf_trainer.TensorFlowTrainer._make_function = _make_function  # pylint: disable=protected-access
@@ -249,6 +255,7 @@ def _initialize_variable(self, value) -> None:
         else:
             laid_out = dtensor.relayout(dtensor.copy_to_mesh(
                 initial, dtensor.Layout.replicated(layout.mesh, initial.shape.rank)), layout)
+        self._dtk_layout = layout  # pylint: disable=protected-access  (read when traced)
         self._value = dtensor.DVariable(  # pylint: disable=protected-access
             laid_out, trainable=self.trainable, name=self.name,
             aggregation=self._map_aggregation(self.aggregation),  # pylint: disable=protected-access
@@ -269,6 +276,12 @@ def _direct_assign(self, value) -> None:
     """``assign`` (``set_weights``, ``load_weights``, a restore) of a host value into a
     DVariable: copied to the mesh, then relaid out to the variable's layout."""
     target = self._value  # pylint: disable=protected-access
+    layout = getattr(self, "_dtk_layout", None)
+    if layout is not None and not tf.executing_eagerly():
+        # In a step, the value may come laid out otherwise (the sharded update's slice of a
+        # replicated weight): relaid out to the variable's (an all-gather there, else nothing).
+        target.assign(dtensor.relayout(tf.cast(value, target.dtype), layout))
+        return None
     if not isinstance(target, dtensor.DVariable) or not tf.executing_eagerly() or \
             dtensor.is_dtensor(value):
         return _ENABLED["_direct_assign"](self, value)
@@ -292,6 +305,43 @@ def _check_one_key(distribution, path: str) -> None:
             f"variable {path!r} matches {len(keys)} LayoutMap keys {keys}: which layout it "
             "gets would depend on the keys' order; make the patterns exclusive (keys are "
             "regular expressions matched against the whole path)")
+
+
+def _add_slot(self, reference_variable, name=None, initializer="zeros"):
+    """``Optimizer.add_variable_from_reference`` on the mesh: a slot (Adam's moments, ...)
+    takes its weight's layout, plus the batch axis on the first dim it divides when the weight
+    is large enough (dtk's sharded update, ``dtk.train.steps.update_layout``: each device keeps
+    and updates 1/N of the state, and the weight is all-gathered from the updated slices; the
+    numbers are the update in place's, elementwise)."""
+    original = _ENABLED["add_variable_from_reference"]
+    layout = getattr(reference_variable, "_dtk_layout", None)
+    distribution = _distribution()
+    if layout is None or distribution is None:
+        return original(self, reference_variable, name=name, initializer=initializer)
+    from dtk.train import steps  # pylint: disable=g-import-not-at-top
+    state = _mesh_state(distribution)
+    with tf.init_scope():
+        target = steps.update_layout(reference_variable._value, state.mesh, state.batch_axis)  # pylint: disable=protected-access
+    kept = reference_variable._layout  # pylint: disable=protected-access
+    reference_variable._layout = target  # pylint: disable=protected-access
+    try:
+        return original(self, reference_variable, name=name, initializer=initializer)
+    finally:
+        reference_variable._layout = kept  # pylint: disable=protected-access
+
+
+def _apply(self, grads, trainable_variables=None):
+    """``Optimizer.apply`` on the mesh: each gradient pinned to its weight's layout first (the
+    sharded update's slices are then cut from it on each device; otherwise DTensor's layout
+    propagation may push the slots' layout back into the gradient's producer)."""
+    variables = trainable_variables if trainable_variables is not None else \
+        self._trainable_variables  # pylint: disable=protected-access
+    if _distribution() is not None and not tf.executing_eagerly():
+        grads = [g if g is None or getattr(v, "_dtk_layout", None) is None or
+                 isinstance(g, tf.IndexedSlices)
+                 else dtensor.relayout(g, v._dtk_layout)  # pylint: disable=protected-access
+                 for g, v in zip(grads, variables)]
+    return _ENABLED["apply"](self, grads, trainable_variables)
 
 
 def distribute_variable(value, layout):
@@ -432,22 +482,6 @@ def _model_distribution(model):
     return distribution
 
 
-def _next_batches(iterator, count: int) -> list:
-    """Up to ``count`` batches from Keras's data iterator, on the host."""
-    batches = []
-    for _ in range(count):
-        try:
-            if isinstance(iterator, tf.data.Iterator):
-                batches.append(iterator.get_next())
-            else:
-                batches.append(next(iterator))
-        except (StopIteration, tf.errors.OutOfRangeError):
-            if not batches:
-                raise StopIteration  # pylint: disable=raise-missing-from
-            break
-    return batches
-
-
 def _per_process(distribution) -> bool:
     """Whether each process's batches hold only its own rows: Keras shards a ``tf.data``
     dataset over the processes (``auto_shard_dataset``, multi-process), in the order of the
@@ -516,7 +550,6 @@ def _make_function(self, step_function):
     state = _mesh_state(distribution)
     _check_jit(self)
     _check_layout_map(self, distribution)
-    mesh = state.mesh
     def step(data):
         _IN_STEP.append(True)
         try:
@@ -525,18 +558,14 @@ def _make_function(self, step_function):
             _IN_STEP.pop()
 
     # One trace per batch shape (two at most: a last partial batch), never a relaxed one of an
-    # unknown size: the mesh-invariant draws index every element of the batch.
-    traced = tf.function(step, reduce_retracing=False)
-
-    local = _per_process(distribution)
+    # unknown size: the mesh-invariant draws index every element of the batch. Several steps
+    # per call (compile(steps_per_execution=n)) run as one compiled loop over n stacked batches.
+    from dtk.train import distribute  # pylint: disable=g-import-not-at-top
+    calls = distribute.MeshCalls(step, state, reduce_retracing=False,
+                                 local=_per_process(distribution))
 
     def function(iterator):
-        outputs = None
-        for data in _next_batches(iterator, int(self.steps_per_execution)):
-            batch = state.pack(data, local=local)
-            with dtensor.default_mesh(mesh):  # metric variables made in the first trace
-                outputs = traced(batch)
-        return outputs
+        return calls(distribute.next_batches(iterator, int(self.steps_per_execution)))
 
     return function
 
