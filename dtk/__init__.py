@@ -53,6 +53,7 @@ _EXPORTS = {
     "CheckpointCallback": "dtk.train.distribute",
     "Preempted": "dtk.train.preemption",
     "enable_keras_distribution": "dtk.train.keras3",
+    "batches_on_mesh": "dtk.train.keras3",
     "History": "dtk.train.trainer",
     "Trainer": "dtk.train.trainer",
     "TrainerConfig": "dtk.train.trainer",
@@ -112,5 +113,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
     from dtk.train.distribute import CheckpointCallback, distribute  # noqa: F401
     from dtk.train.preemption import Preempted  # noqa: F401
-    from dtk.train.keras3 import enable_keras_distribution  # noqa: F401
+    from dtk.train.keras3 import batches_on_mesh, enable_keras_distribution  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

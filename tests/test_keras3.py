@@ -383,3 +383,120 @@ def test_several_steps_per_call_equal_plain_keras(shape):
     for key in want:
         _close(want[key], got[key], key)
     _close(plain.get_weights(), model.get_weights(), "weights")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_a_training_loop_from_scratch_equals_plain_keras(shape):
+    """keras.io's "Writing a training loop from scratch" (TensorFlow): a tf.function step with
+    GradientTape, optimizer.apply and the user's own metric objects, with its one change:
+    ``dtk.batches_on_mesh(dataset)``. The metrics count the global batch (a metric made under
+    the distribution lives on the mesh), and the weights equal plain Keras 3."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(96, 16)).astype("float32")
+    y = rng.integers(0, 4, 96)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+
+    def run(batches):
+        model = keras.Sequential([keras.Input((16,)), layers.Dense(32, activation="relu",
+                                                                    name="d1"),
+                                  layers.Dense(4, name="d2")])
+        optimizer = keras.optimizers.Adam(1e-2)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        train_acc = keras.metrics.SparseCategoricalAccuracy()
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss_value = loss_fn(y, logits)
+            grads = tape.gradient(loss_value, model.trainable_weights)
+            optimizer.apply(grads, model.trainable_weights)
+            train_acc.update_state(y, logits)
+            return loss_value
+
+        losses, accuracies = [], []
+        for _ in range(2):
+            for xb, yb in batches(dataset):
+                losses.append(float(train_step(xb, yb)))
+            accuracies.append(float(train_acc.result()))
+            train_acc.reset_state()
+        return model, losses, accuracies
+
+    (plain, *want), (model, *got) = _both(_model_parallel(shape), lambda: run(
+        dtk.batches_on_mesh if keras.distribution.distribution() else iter))
+    _close(want[0], got[0], "loss")
+    _close(want[1], got[1], "accuracy")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_mixed_bfloat16_equals_plain_keras(shape):
+    """keras.mixed_precision.set_global_policy("mixed_bfloat16"): float32 weights, bfloat16
+    compute; the losses and weights of plain Keras 3 under the same policy."""
+    x, y = _images(96, seed=6)
+
+    def run():  # (SGD: Adam magnifies bfloat16's rounding in near-zero gradients)
+        model = _guide_model()
+        model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.5))
+        return model, model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                verbose=0).history["loss"]
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        (plain, want), (model, got) = _both(_model_parallel(shape), run)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.get_layer("d1").compute_dtype == "bfloat16"
+    # A batch split over devices sums bfloat16 products in another order than one device: the
+    # numbers agree to bfloat16's epsilon (2^-8; measured 2.0e-4 at most), as on the tf_keras
+    # path (tests/keras_io_fit_pages.py, "mixed_precision")
+    for a, b in [(want, got), (plain.get_weights(), model.get_weights())]:
+        for u, v in zip(a, b):
+            np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=2.0 ** -8, atol=1e-4)
+
+
+def test_weights_sharded_over_the_data_axis_too_equal_plain_keras():
+    """FSDP as Keras writes it on JAX: a LayoutMap that cuts the kernels over "data" (and
+    "model"): stored sharded, the same numbers."""
+    x, y = _images(96, seed=7)
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="mse", optimizer="adam")
+        return model, model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                                verbose=0).history["loss"]
+
+    layout_map = keras.distribution.LayoutMap(_mesh((2, 4)))
+    layout_map["d1/kernel"] = ("data", "model")
+    layout_map["d2/kernel"] = ("model", "data")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    (plain, want), (model, got) = _both(distribution, run)
+    assert _specs(model.get_layer("d1").kernel) == ["data", "model"]
+    _close(want, got, "loss")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_backup_and_restore_resumes_like_the_uninterrupted_run(tmp_path, shape):
+    """Keras's own BackupAndRestore: a fit killed after epoch 2 resumes on the mesh at epoch 3
+    and ends with the uninterrupted run's weights."""
+    x, y = _images(96, seed=8)
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("killed")
+
+    def fit(callbacks):
+        keras.utils.set_random_seed(0)
+        model = _guide_model()
+        model.compile(loss="mse", optimizer="adam")
+        model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+        return model
+
+    keras.distribution.set_distribution(_model_parallel(shape))
+    want = fit([]).get_weights()
+    with pytest.raises(RuntimeError, match="killed"):
+        fit([keras.callbacks.BackupAndRestore(str(tmp_path)), Kill()])
+    got = fit([keras.callbacks.BackupAndRestore(str(tmp_path))]).get_weights()
+    _close(want, got, "weights")

@@ -250,11 +250,10 @@ def _initialize_variable(self, value) -> None:
             _check_one_key(distribution, self.path)
             self._layout = distribution.get_variable_layout(self)  # pylint: disable=protected-access
         layout = _backend_layout(self._layout)  # pylint: disable=protected-access
-        if dtensor.is_dtensor(initial):
-            laid_out = dtensor.relayout(initial, layout)
-        else:
-            laid_out = dtensor.relayout(dtensor.copy_to_mesh(
-                initial, dtensor.Layout.replicated(layout.mesh, initial.shape.rank)), layout)
+        if dtensor.is_dtensor(initial):  # made under the step's default mesh (slots' zeros)
+            from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+            initial = tf.constant(checkpoint.global_value(initial), dtype=initial.dtype)
+        laid_out = _place(initial, layout)
         self._dtk_layout = layout  # pylint: disable=protected-access  (read when traced)
         self._value = dtensor.DVariable(  # pylint: disable=protected-access
             laid_out, trainable=self.trainable, name=self.name,
@@ -285,11 +284,19 @@ def _direct_assign(self, value) -> None:
     if not isinstance(target, dtensor.DVariable) or not tf.executing_eagerly() or \
             dtensor.is_dtensor(value):
         return _ENABLED["_direct_assign"](self, value)
-    value = tf.cast(value, target.dtype)
-    layout = dtensor.fetch_layout(target)
-    value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
-    target.assign(dtensor.relayout(value, layout))
+    target.assign(_place(tf.cast(value, target.dtype), dtensor.fetch_layout(target)))
     return None
+
+
+def _place(value, layout: dtensor.Layout):
+    """A host value on the mesh in ``layout``: each of this client's devices gets its slice
+    (``dtk.parallel.materialize.local_shards``), packed; no full copy on any device, no
+    collective, on any client count."""
+    from dtk.parallel import materialize  # pylint: disable=g-import-not-at-top
+    array = np.asarray(value)
+    dtype = value.dtype if isinstance(value, tf.Tensor) else tf.as_dtype(array.dtype)
+    shards = [tf.constant(s, dtype=dtype) for s in materialize.local_shards(array, layout)]
+    return dtensor.pack(shards, layout)
 
 
 def _check_one_key(distribution, path: str) -> None:
@@ -382,11 +389,12 @@ def _draw(name: str, *args, **kwargs):
     dtk's counter-based hash of (the drawn seed, the element's global index)
     (``dtk.parallel.randomness``), each device hashing only its own shard: the same numbers on
     every mesh and client count. They are not the numbers TensorFlow's kernels draw on one
-    device (as with dtk's tf_keras path). Outside a step on the mesh, Keras's own draw runs.
+    device (as with dtk's tf_keras path). The same holds in a user's own ``tf.function`` while a
+    distribution is set (a custom training loop); eagerly, Keras's own draw runs.
     """
     original = _ENABLED[f"random.{name}"]
-    if not _IN_STEP:
-        return original(*args, **kwargs)
+    if not _IN_STEP and (tf.executing_eagerly() or _distribution() is None):
+        return original(*args, **kwargs)  # (a user's own tf.function on the mesh: dtk's draws)
     from dtk.parallel import randomness  # pylint: disable=g-import-not-at-top
     from keras.src.random.seed_generator import draw_seed  # pylint: disable=g-import-not-at-top
     from keras.src.backend.config import floatx  # pylint: disable=g-import-not-at-top
@@ -480,6 +488,29 @@ def _model_distribution(model):
                 "its scope())")
         model._dtk_distribution = distribution  # pylint: disable=protected-access
     return distribution
+
+
+def batches_on_mesh(data: Any):
+    """The batches of ``data`` (a batched ``tf.data.Dataset`` or any iterable of batches) laid
+    out over the active distribution's batch axis, for a custom training loop.
+
+    A ``tf.function`` on the mesh takes DTensors only; keras.io's "Writing a training loop from
+    scratch" runs as written with one change, ``for x, y in dtk.batches_on_mesh(dataset)``. Each
+    batch is split over the batch axis by dtk's packer (a last partial batch is replicated: the
+    same numbers). With several processes and ``auto_shard_dataset``, pass the dataset through
+    ``distribution.distribute_dataset`` first, as Keras's ``fit`` does.
+
+    Raises:
+      ValueError: no distribution is set.
+    """
+    distribution = _distribution()
+    if distribution is None:
+        raise ValueError("dtk.batches_on_mesh(...): no keras.distribution distribution is set; "
+                         "call keras.distribution.set_distribution(...) first")
+    state = _mesh_state(distribution)
+    local = _per_process(distribution)
+    for batch in data:
+        yield state.pack(batch, local=local)
 
 
 def _per_process(distribution) -> bool:
