@@ -113,6 +113,10 @@ def enable_keras_distribution() -> None:
     base_optimizer.BaseOptimizer.add_variable_from_reference = _add_slot
     _ENABLED["apply"] = base_optimizer.BaseOptimizer.apply
     base_optimizer.BaseOptimizer.apply = _apply
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=g-import-not-at-top
+    for name in ("assign", "assign_add", "assign_sub"):
+        _ENABLED[f"optimizer.{name}"] = getattr(tf_optimizer.TFOptimizer, name)
+        setattr(tf_optimizer.TFOptimizer, name, functools.partialmethod(_sparse_assign, name))
     for name in ("_make_function", "make_predict_function"):
         _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
     tf_trainer.TensorFlowTrainer._make_function = _make_function  # pylint: disable=protected-access
@@ -124,6 +128,11 @@ def enable_keras_distribution() -> None:
     for name, position in (("fit", 2), ("evaluate", 2), ("predict", 1)):
         _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
         setattr(tf_trainer.TensorFlowTrainer, name, _checked(name, position))
+    _ENABLED["Model.__call__"] = keras.Model.__call__
+    keras.Model.__call__ = _model_call
+    from keras.src.backend.tensorflow import numpy as tf_numpy  # pylint: disable=g-import-not-at-top
+    _ENABLED["numpy.flip"] = tf_numpy.flip
+    tf_numpy.flip = _flip
     backend_lib._to_backend_mesh = _to_backend_mesh  # pylint: disable=protected-access
     backend_lib._to_backend_layout = _to_backend_layout  # pylint: disable=protected-access
     backend_lib.distribute_tensor = distribute_tensor
@@ -351,6 +360,32 @@ def _apply(self, grads, trainable_variables=None):
     return _ENABLED["apply"](self, grads, trainable_variables)
 
 
+def _sparse_assign(self, name: str, variable, value):
+    """The optimizer's ``assign``/``assign_add``/``assign_sub`` of an ``IndexedSlices`` (an
+    Embedding's sparse gradient and what Keras computes from it) into a variable on the mesh.
+
+    Keras scatters it (``ResourceScatterAdd``/``Sub``/``Update``), which DTensor cannot lay
+    out. The same values, dense: the slices summed into rows (a scatter-add adds duplicate
+    rows too), added or subtracted; an update replaces the rows it names."""
+    original = _ENABLED[f"optimizer.{name}"]
+    target = variable.value if hasattr(variable, "_dtk_layout") else variable
+    if not isinstance(value, tf.IndexedSlices) or not isinstance(target, dtensor.DVariable):
+        return original(self, variable, value)
+    value = tf.IndexedSlices(tf.cast(value.values, target.dtype), value.indices,
+                             value.dense_shape)
+    dense = tf.convert_to_tensor(value)
+    if name == "assign_add":
+        target.assign_add(dense)
+    elif name == "assign_sub":
+        target.assign_sub(dense)
+    else:
+        rows = tf.math.unsorted_segment_max(tf.ones_like(value.indices, tf.float32),
+                                            value.indices, tf.shape(dense)[0]) > 0
+        rows = tf.reshape(rows, [-1] + [1] * (dense.shape.rank - 1))
+        target.assign(tf.where(rows, dense, target.read_value()))
+    return None
+
+
 def distribute_variable(value, layout):
     """A ``DVariable`` of ``value`` in ``layout`` (a ``TensorLayout`` or ``dtensor.Layout``)."""
     return dtensor.DVariable(distribute_tensor(value, layout))
@@ -393,8 +428,11 @@ def _draw(name: str, *args, **kwargs):
     distribution is set (a custom training loop); eagerly, Keras's own draw runs.
     """
     original = _ENABLED[f"random.{name}"]
-    if not _IN_STEP and (tf.executing_eagerly() or _distribution() is None):
-        return original(*args, **kwargs)  # (a user's own tf.function on the mesh: dtk's draws)
+    if not _on_mesh_now():
+        return original(*args, **kwargs)
+    shape = args[0] if args and name != "dropout" else kwargs.get("shape")
+    if name != "dropout" and not _static(shape):  # (a symbolic build's shape inference)
+        return original(*args, **kwargs)
     from dtk.parallel import randomness  # pylint: disable=g-import-not-at-top
     from keras.src.random.seed_generator import draw_seed  # pylint: disable=g-import-not-at-top
     from keras.src.backend.config import floatx  # pylint: disable=g-import-not-at-top
@@ -435,6 +473,37 @@ def _draw(name: str, *args, **kwargs):
     return tf.cast(mean + stddev * z, dtype)
 
 
+def _on_mesh_now() -> bool:
+    """Inside a step dtk traces on the mesh, or a user's own ``tf.function`` while a
+    distribution is set (a custom training loop): where DTensor runs the ops."""
+    return bool(_IN_STEP) or (not tf.executing_eagerly() and _distribution() is not None)
+
+
+def _static(shape) -> bool:
+    dims = shape.as_list() if hasattr(shape, "as_list") else shape
+    try:
+        return all(isinstance(d, (int, np.integer)) for d in dims)
+    except TypeError:
+        return False
+
+
+def _flip(x, axis=None):
+    """``keras.ops.flip`` (``RandomFlip``) on the mesh: DTensor cannot lay out ``ReverseV2``;
+    a gather of the reversed indices along each axis is the same values."""
+    original = _ENABLED["numpy.flip"]
+    if not _on_mesh_now():
+        return original(x, axis=axis)
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    axes = range(rank) if axis is None else [
+        a % rank for a in (axis if isinstance(axis, (list, tuple)) else [axis])]
+    for a in axes:
+        if x.shape[a] is None:
+            return original(x, axis=axis)
+        x = tf.gather(x, tf.range(x.shape[a] - 1, -1, -1), axis=a)
+    return x
+
+
 def _seed_key(seed) -> tf.Tensor:
     """One uint32 from Keras's two-element seed tensor."""
     seed = tf.cast(seed, tf.int64)
@@ -465,6 +534,20 @@ def _on_mesh(model) -> bool:
         if value is not None:
             return isinstance(value, dtensor.DVariable)
     return _distribution() is not None
+
+
+def _model_call(self, *args, **kwargs):
+    """``model(x)`` eagerly on host data (numpy, tensors) while a distribution is set: the
+    inputs are laid out over the batch axis first, as ``fit`` lays out its batches."""
+    distribution = _distribution()
+    if distribution is None or not tf.executing_eagerly() or not args:
+        return _ENABLED["Model.__call__"](self, *args, **kwargs)
+    leaves = tf.nest.flatten(args[0])
+    if not leaves or not all(isinstance(t, (np.ndarray, tf.Tensor)) and not (
+            isinstance(t, tf.Tensor) and dtensor.is_dtensor(t)) for t in leaves):
+        return _ENABLED["Model.__call__"](self, *args, **kwargs)
+    packed = _mesh_state(distribution).pack(args[0], local=_per_process(distribution))
+    return _ENABLED["Model.__call__"](self, packed, *args[1:], **kwargs)
 
 
 def _check_plain_model(model) -> None:
@@ -557,10 +640,22 @@ def _check_layout_map(model, distribution) -> None:
     weight it was meant for stays replicated)."""
     import re  # pylint: disable=g-import-not-at-top
     layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is None or getattr(model, "_dtk_layout_map_checked", False):
+    if layout_map is None or getattr(model, "_dtk_layout_map_checked", False) or \
+            not model.variables:  # (a subclassed model: checked once its first batch built it)
         return
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        kernel = getattr(layer, "kernel", None) if "Conv" in type(layer).__name__ else None
+        layout = getattr(kernel, "_dtk_layout", None)
+        if layout is not None and any(s != dtensor.UNSHARDED for s in layout.sharding_specs):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}): its kernel {kernel.path} is "
+                f"laid out {list(layout.sharding_specs)}, but DTensor's convolution takes a "
+                "replicated filter (it fails with 'Filter for convolution must have fully "
+                "replicated layout'); remove its LayoutMap key and split the dense layers "
+                "instead")
     paths = [v.path for v in model.variables]
-    paths += [f"{layer.path}/output" for layer in model._flatten_layers()]  # pylint: disable=protected-access
+    paths += [f"{layer.path}/output" for layer in model._flatten_layers()  # pylint: disable=protected-access
+              if getattr(layer, "path", None)]
     unused = [key for key in layout_map
               if not any(key == p or re.fullmatch(key, p) for p in paths)]
     if unused:
@@ -568,7 +663,9 @@ def _check_layout_map(model, distribution) -> None:
             f"LayoutMap key(s) {unused} match no variable or layer output of model "
             f"{model.name!r}, so they lay out nothing (its variable paths: "
             f"{', '.join(paths[:6])}{' ...' if len(paths) > 6 else ''}); fix the pattern (keys "
-            "are regular expressions matched against the whole path) or remove the key")
+            "are regular expressions matched against the whole path, which starts with the "
+            "model's name in a Sequential or nested model: '(.*/)?d1/kernel' matches d1's "
+            "kernel anywhere) or remove the key")
     model._dtk_layout_map_checked = True  # pylint: disable=protected-access
 
 
@@ -596,7 +693,9 @@ def _make_function(self, step_function):
                                  local=_per_process(distribution))
 
     def function(iterator):
-        return calls(distribute.next_batches(iterator, int(self.steps_per_execution)))
+        outputs = calls(distribute.next_batches(iterator, int(self.steps_per_execution)))
+        _check_layout_map(self, distribution)  # (a subclassed model has variables now)
+        return outputs
 
     return function
 
