@@ -1,10 +1,12 @@
 """The one-line changes that make training wrong (issue 72), each applied alone with the test
-that must catch it: `python scripts/mutants.py [NAME ...]` prints CAUGHT or SURVIVED for each
+that must catch it: `python scripts/mutants.py [--names NAME,...]` prints CAUGHT or SURVIVED for each
 and restores the file. Run it from a checkout with the test extra installed."""
-import argparse
 import pathlib
 import subprocess
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from dtk.usage import ArgumentParser  # noqa: E402  (the one-line error convention)
 
 R = pathlib.Path(__file__).resolve().parent.parent
 M = [
@@ -22,10 +24,11 @@ M = [
  ("optimizer_unbound", "dtk/train/distribute.py", "        bound = type(value)(**config, mesh=mesh)\n", "        bound = type(value)(**config)\n",
   "tests/test_references.py::test_distributed_adamw_with_ema_equals_plain_tf_keras"),
 ]
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("names", nargs="*",
-                    help="mutants to run (default: all): " + ", ".join(m[0] for m in M))
-only = parser.parse_args().names
+parser = ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--names", default="",
+                    help="comma-separated mutants to run (default: all): " +
+                    ", ".join(m[0] for m in M))
+only = [n for n in parser.parse_args().names.split(",") if n]
 unknown = [n for n in only if n not in {m[0] for m in M}]
 if unknown:
     parser.error(f"unknown mutant(s) {unknown}")

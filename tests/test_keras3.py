@@ -500,3 +500,20 @@ def test_backup_and_restore_resumes_like_the_uninterrupted_run(tmp_path, shape):
         fit([keras.callbacks.BackupAndRestore(str(tmp_path)), Kill()])
     got = fit([keras.callbacks.BackupAndRestore(str(tmp_path))]).get_weights()
     _close(want, got, "weights")
+
+
+@pytest.mark.slow
+def test_readme_keras3_example_runs_as_written():
+    """README's Keras 3 example (keras.io's distribution guide plus the one call), run as
+    written in a fresh process on a CPU-only machine (8 virtual CPUs made by the call)."""
+    from tests import procs  # pylint: disable=g-import-not-at-top
+    readme = (procs.REPO / "README.md").read_text()
+    start = readme.index("```python", readme.index("### Keras 3")) + len("```python\n")
+    code = readme[start:readme.index("```", start)]
+    assert "dtk.enable_keras_distribution()" in code and "model.fit(" in code
+    res = procs.run_python(code + "\nprint('LOSS', model.history.history['loss'])\n",
+                           env=procs.base_env(TF_USE_LEGACY_KERAS="0", DTK_OFFLINE="1"),
+                           timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    losses = eval(res.stdout.split("LOSS", 1)[1].strip())  # pylint: disable=eval-used
+    assert losses[-1] < losses[0], losses

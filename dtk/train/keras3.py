@@ -72,7 +72,7 @@ def _keras():
     return keras
 
 
-def enable_keras_distribution() -> None:
+def enable_keras_distribution(*, virtual_devices: int | None = None) -> None:
     """Turns Keras 3's distribution API on for the TensorFlow backend (idempotent).
 
     After it, ``keras.distribution.DeviceMesh``, ``LayoutMap``, ``DataParallel``,
@@ -82,13 +82,25 @@ def enable_keras_distribution() -> None:
     ``evaluate``, ``predict`` and the ``*_on_batch`` methods run each batch laid out over the
     batch axis. Without a distribution set, Keras behaves as before.
 
+    On a machine with CPUs only, the CPU is split into ``virtual_devices`` logical devices
+    (default ``$DTK_VIRTUAL_DEVICES``, else 8) when TensorFlow has not initialized its devices
+    yet, so that ``list_devices()`` has a mesh's worth, as ``dtk.build_mesh`` does.
+
     Raises:
-      ValueError: another Keras backend.
+      ValueError: another Keras backend, or a distribution set before the call.
       RuntimeError: a Keras version the seams were not tested on.
     """
     if _ENABLED:
         return
     keras = _keras()
+    from dtk import _env  # pylint: disable=g-import-not-at-top
+    from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+    if not mesh_lib.is_tensorflow_initialized() and not cluster.is_multi_client() and \
+            mesh_lib.resolve_device_type("auto") == "CPU":
+        count = virtual_devices or _env.get_int(_env.VIRTUAL_DEVICES) or 8
+        mesh_lib.configure_virtual_cpus(count)
+        _log.info("dtk.enable_keras_distribution: %d virtual CPU devices", count)
     if keras.distribution.distribution() is not None:
         raise ValueError(
             "dtk.enable_keras_distribution() after keras.distribution.set_distribution(...): "
@@ -237,6 +249,7 @@ def _backend_layout(layout) -> dtensor.Layout:
 
 
 # -- variables ------------------------------------------------------------------------------------
+@tf.autograph.experimental.do_not_convert
 def _initialize_variable(self, value) -> None:
     """``Variable._initialize`` of Keras's TensorFlow backend, with a distribution set: a
     ``DVariable`` in the variable's layout (the JAX backend's ``_initialize_layout``)."""
@@ -271,6 +284,7 @@ def _initialize_variable(self, value) -> None:
     return None
 
 
+@tf.autograph.experimental.do_not_convert
 def _variable_numpy(self) -> np.ndarray:
     """``Variable.numpy()`` (and ``get_weights``, ``np.array``, saving) on any layout: the
     global value, gathered one sharded dim at a time."""
@@ -280,6 +294,7 @@ def _variable_numpy(self) -> np.ndarray:
     return checkpoint.global_value(self._value)  # pylint: disable=protected-access
 
 
+@tf.autograph.experimental.do_not_convert
 def _direct_assign(self, value) -> None:
     """``assign`` (``set_weights``, ``load_weights``, a restore) of a host value into a
     DVariable: copied to the mesh, then relaid out to the variable's layout."""
@@ -323,6 +338,7 @@ def _check_one_key(distribution, path: str) -> None:
             "regular expressions matched against the whole path)")
 
 
+@tf.autograph.experimental.do_not_convert
 def _add_slot(self, reference_variable, name=None, initializer="zeros"):
     """``Optimizer.add_variable_from_reference`` on the mesh: a slot (Adam's moments, ...)
     takes its weight's layout, plus the batch axis on the first dim it divides when the weight
@@ -346,6 +362,7 @@ def _add_slot(self, reference_variable, name=None, initializer="zeros"):
         reference_variable._layout = kept  # pylint: disable=protected-access
 
 
+@tf.autograph.experimental.do_not_convert
 def _apply(self, grads, trainable_variables=None):
     """``Optimizer.apply`` on the mesh: each gradient pinned to its weight's layout first (the
     sharded update's slices are then cut from it on each device; otherwise DTensor's layout
@@ -360,6 +377,7 @@ def _apply(self, grads, trainable_variables=None):
     return _ENABLED["apply"](self, grads, trainable_variables)
 
 
+@tf.autograph.experimental.do_not_convert
 def _sparse_assign(self, name: str, variable, value):
     """The optimizer's ``assign``/``assign_add``/``assign_sub`` of an ``IndexedSlices`` (an
     Embedding's sparse gradient and what Keras computes from it) into a variable on the mesh.
@@ -391,6 +409,7 @@ def distribute_variable(value, layout):
     return dtensor.DVariable(distribute_tensor(value, layout))
 
 
+@tf.autograph.experimental.do_not_convert
 def distribute_tensor(tensor, layout):
     """``tensor`` in ``layout``: relaid out when it is on the mesh, copied there when not."""
     layout = _backend_layout(layout)
@@ -414,6 +433,7 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
 _IN_STEP: list[bool] = []  # non-empty while dtk traces a model's step on the mesh
 
 
+@tf.autograph.experimental.do_not_convert
 def _draw(name: str, *args, **kwargs):
     """Keras's ``keras.random`` draws (``uniform``, ``normal``, ``truncated_normal``,
     ``dropout``) inside a step on the mesh, mesh-invariant.
@@ -487,6 +507,7 @@ def _static(shape) -> bool:
         return False
 
 
+@tf.autograph.experimental.do_not_convert
 def _flip(x, axis=None):
     """``keras.ops.flip`` (``RandomFlip``) on the mesh: DTensor cannot lay out ``ReverseV2``;
     a gather of the reversed indices along each axis is the same values."""
@@ -536,6 +557,7 @@ def _on_mesh(model) -> bool:
     return _distribution() is not None
 
 
+@tf.autograph.experimental.do_not_convert
 def _model_call(self, *args, **kwargs):
     """``model(x)`` eagerly on host data (numpy, tensors) while a distribution is set: the
     inputs are laid out over the batch axis first, as ``fit`` lays out its batches."""
