@@ -54,12 +54,6 @@ def _run(name, shape=None, callbacks=()):
 
 
 @functools.lru_cache(maxsize=None)
-def _on_mesh(name, shape):
-    """``_run(name, shape)``, once per page and mesh (the resume test reuses (2, 4)'s run)."""
-    return _run(name, shape)
-
-
-@functools.lru_cache(maxsize=None)
 def _reference(name):
     """Plain Keras 3 on one device, or, for a page with random draws, (1, 1) on the mesh."""
     return _run(name, None if not PAGES[name].random else (1, 1))[1:]
@@ -83,7 +77,7 @@ def test_a_keras_io_page_on_the_mesh_equals_its_reference(name, shape):
     if page.random and shape == (1, 1):
         pytest.skip("(1, 1) is the reference of a page with random draws")
     want_history, want_predictions, want_weights = _reference(name)
-    model, history, predictions, weights = _on_mesh(name, shape)
+    model, history, predictions, weights = _run(name, shape)
     assert set(history) == set(want_history)
     for key in want_history:
         _close(page, want_history[key], history[key], key)
@@ -109,7 +103,7 @@ def test_a_page_killed_and_resumed_and_its_weights_loaded_in_plain_keras(name, t
     plain Keras 3 either); the weights file of the sharded model loads into the page's model built by plain
     Keras 3 (no distribution), which then predicts the same."""
     page = PAGES[name]
-    model, _, predictions, weights = _on_mesh(name, (2, 4))
+    model, _, predictions, weights = _run(name, (2, 4))
     if not page.random:  # (Keras's BackupAndRestore does not restore SeedGenerator states: a
         # page that draws random numbers resumes 5e-3 off in plain Keras 3 too, measured)
         # (the reference built as the resumed runs are: a subclassed model by a call first)
