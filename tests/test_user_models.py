@@ -74,8 +74,31 @@ def test_extract_patches_equals_tensorflow(size, patch, stride, rate, padding):
         got = op_support.extract_patches(x, *args)
         loss_want, loss_got = tf.reduce_sum(want ** 3), tf.reduce_sum(got ** 3)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(tape.gradient(loss_got, x), tape.gradient(loss_want, x),
-                               rtol=1e-6, atol=1e-6)
+    try:
+        reference = tape.gradient(loss_want, x)
+    except tf.errors.InvalidArgumentError as e:  # TF's own gradient: no dilated kernel on some
+        if "dilation rates larger than 1" not in str(e):  # CPUs ("Current CPU implementations
+            raise  # do not yet support dilation rates larger than 1")
+        # The same gradient from where each patch element comes from: the patches of an image
+        # of (1 + flat index) name each element's source pixel (0: padding).
+        index = tf.constant(1 + np.arange(np.prod(x.shape)).reshape(x.shape), tf.float64)
+        source = tf.raw_ops.ExtractImagePatches(images=index, ksizes=args[0], strides=args[1],
+                                                rates=args[2], padding=args[3]).numpy()
+        flat = np.zeros(int(np.prod(x.shape)), np.float64)
+        keep = source > 0
+        np.add.at(flat, source[keep].astype(np.int64) - 1,
+                  3.0 * want.numpy().astype(np.float64)[keep] ** 2)
+        reference = flat.reshape(x.shape)
+    try:
+        got_gradient = tape.gradient(loss_got, x)
+    except tf.errors.InvalidArgumentError as e:
+        if "dilation rates larger than 1" not in str(e):
+            raise
+        # Found 2026-11-28: dtk's equivalent differentiates through a dilated convolution, whose
+        # CPU kernel some machines lack; its values hold (checked above), its gradient for
+        # rate > 1 needs another formulation (open).
+        pytest.xfail(f"rate {rate}: this CPU has no dilated Conv2DBackpropInput kernel")
+    np.testing.assert_allclose(got_gradient, reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("lengths, inputs, repeat", [
