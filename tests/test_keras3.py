@@ -13,7 +13,7 @@ from tensorflow.experimental import dtensor
 
 import dtk
 
-keras = pytest.importorskip("keras")
+import keras  # noqa: E402  (Keras 3: TensorFlow 2.21 installs it)
 from keras import layers  # noqa: E402  pylint: disable=g-import-not-at-top
 
 dtk.enable_keras_distribution()

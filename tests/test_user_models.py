@@ -97,7 +97,9 @@ def test_extract_patches_equals_tensorflow(size, patch, stride, rate, padding):
         # Found 2026-11-28: dtk's equivalent differentiates through a dilated convolution, whose
         # CPU kernel some machines lack; its values hold (checked above), its gradient for
         # rate > 1 needs another formulation (open).
-        pytest.xfail(f"rate {rate}: this CPU has no dilated Conv2DBackpropInput kernel")
+        pytest.xfail(f"rate {rate}: TensorFlow has no dilated Conv2DBackpropInput kernel on this "
+                     "CPU (its own ExtractImagePatches gradient fails the same way); the values "
+                     "are checked, the gradient needs a formulation without that kernel")
     np.testing.assert_allclose(got_gradient, reference, rtol=1e-6, atol=1e-6)
 
 
