@@ -54,6 +54,7 @@ _EXPORTS = {
     "Preempted": "dtk.train.preemption",
     "enable_keras_distribution": "dtk.train.keras3",
     "batches_on_mesh": "dtk.train.keras3",
+    "layout_map": "dtk.train.keras3",
     "History": "dtk.train.trainer",
     "Trainer": "dtk.train.trainer",
     "TrainerConfig": "dtk.train.trainer",

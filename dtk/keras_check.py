@@ -11,9 +11,19 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-_FIX = ("DTensor needs Keras 2: build it with tf_keras (`import tf_keras as keras`), or set "
-        "TF_USE_LEGACY_KERAS=1 in the environment before TensorFlow is imported so that tf.keras "
-        "is Keras 2")
+_FIX = ("This dtk entry point takes tf_keras (Keras 2) objects: build it with tf_keras (`import "
+        "tf_keras as keras`, or TF_USE_LEGACY_KERAS=1 before TensorFlow is imported so that "
+        "tf.keras is Keras 2). A Keras 3 model trains on the mesh through dtk.distribute(factory, "
+        "mesh) or keras.distribution after dtk.enable_keras_distribution()")
+
+
+class Keras3Model(TypeError):
+    """A Keras 3 model where a tf_keras one was expected; carries the model, so that
+    ``dtk.distribute`` can take the Keras 3 path instead."""
+
+    def __init__(self, message: str, model: Any):
+        super().__init__(message)
+        self.model = model
 
 
 def is_keras3(obj: Any) -> bool:
@@ -37,6 +47,9 @@ def require_keras2(obj: Any, what: str) -> None:
     """
     if is_keras3(obj):
         kind = type(obj).__name__ if not inspect.isroutine(obj) else getattr(obj, "__name__", "")
-        raise TypeError(f"{what} is a Keras 3 object ({kind} from "
-                        f"{getattr(type(obj) if not inspect.isroutine(obj) else obj, '__module__', '?')}"
-                        f"), which has no DTensor support. {_FIX}")
+        message = (f"{what} is a Keras 3 object ({kind} from "
+                   f"{getattr(type(obj) if not inspect.isroutine(obj) else obj, '__module__', '?')}"
+                   f"). {_FIX}")
+        if not inspect.isroutine(obj) and hasattr(obj, "fit") and hasattr(obj, "variables"):
+            raise Keras3Model(message, obj)
+        raise TypeError(message)

@@ -328,9 +328,120 @@ def test_enabling_after_set_distribution_is_an_error():
            "set_distribution" in done.stdout, done.stderr[-2000:]
 
 
-def test_a_keras3_model_on_the_tf_keras_path_names_the_way():
-    with pytest.raises(TypeError, match="Keras 3"):
-        dtk.distribute(_guide_model, dtk.build_mesh("batch=8"))
+def _mlp(names=("d1", "d2")):
+    return keras.Sequential([keras.Input((12,)), layers.Dense(16, activation="relu",
+                                                              name=names[0]),
+                             layers.Dense(4, name=names[1])])
+
+
+def _attention_model():
+    inputs = keras.Input((6, 8))
+    return keras.Model(inputs, layers.MultiHeadAttention(2, 4, name="block0_attn")(inputs, inputs))
+
+
+def _tf_keras_fit_under_a_keras3_distribution():
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    model = tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(4)])
+    model.compile(loss="mse")
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model.fit(np.zeros((16, 12)), np.zeros((16, 4)), verbose=0)
+
+
+def _fit_table_model(factory, table, spec="batch=4,model=2", **kwargs):
+    model = dtk.distribute(factory, spec, layout=table, **kwargs)
+    model.compile(loss="mse", optimizer="adam")
+    x = np.zeros((16,) + tuple(model.inputs[0].shape[1:]), "float32")
+    model.fit(x, np.zeros((16,) + tuple(model.outputs[0].shape[1:])), batch_size=8, verbose=0)
+
+
+# (what the user does, the error it gets)
+BAD_KERAS3 = {
+    "a Keras 3 model to dtk.Trainer (tf_keras only)": (
+        lambda: dtk.Trainer(mesh=dtk.build_mesh("batch=8"), model=_mlp()),
+        TypeError, r"model is a Keras 3 object .*dtk.distribute\(factory, mesh\)"),
+    "a tf_keras model fit under a Keras 3 distribution": (
+        _tf_keras_fit_under_a_keras3_distribution,
+        TypeError, r"it is a tf_keras \(Keras 2\) model, but a Keras 3 distribution is set"),
+    "a dtk table written for tf_keras paths a Keras 3 model lacks": (
+        lambda: _fit_table_model(_attention_model, "transformer_lm"),
+        ValueError, r"layout table 'transformer_lm': rule\(s\) .*_\(query\|key\|value\)_dense.* match no "
+        r"weight of Keras 3 model .*block0_attn/query/kernel"),
+    "a table that shards nothing over the model axis": (
+        lambda: _fit_table_model(_mlp, "data_parallel"),
+        ValueError, r"layout table 'data_parallel' shards no weight .* over mesh axis 'model' "
+        r"\(size 2\)"),
+    "a table rule for layers the model does not have": (
+        lambda: _fit_table_model(lambda: _mlp(("dense_a", "dense_b")), "mlp_model_parallel"),
+        ValueError, r"rule\(s\) d\[13579\]\\\.kernel, d\[13579\]\\\.bias, .* match no weight"),
+    "a table axis the mesh lacks": (
+        lambda: dtk.layout_map(_mesh((2, 4)), "mlp_model_parallel"),
+        ValueError, r"table 'mlp_model_parallel' shards over axis 'batch', which the mesh "
+        r"\(axes \['data', 'model'\].*axes=\{'batch': "),
+    "a tf_keras option with a Keras 3 factory": (
+        lambda: dtk.distribute(_mlp, "batch=8", fsdp=True),
+        ValueError, r"dtk.distribute\(fsdp=True\) with a Keras 3 model"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KERAS3))
+def test_bad_keras3_input_is_one_clear_error(case):
+    action, error, message = BAD_KERAS3[case]
+    with pytest.raises(error, match=message):
+        action()
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+def test_dtk_distribute_takes_a_keras3_factory_and_equals_plain_keras(spec):
+    """One call for both Kerases: ``dtk.distribute(keras3_factory, mesh, layout=table)`` builds
+    under a ModelParallel of the table (``dtk.layout_map``) kept on the model, not global; its
+    compile/fit/evaluate/predict equal plain Keras 3 with the seed, and on ``model`` the
+    kernels are split as the table says."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 4, 64)
+
+    def run(model):
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+        return history, model.evaluate(x, y, batch_size=16, verbose=0), model.predict(x, 16,
+                                                                                      verbose=0)
+
+    model = dtk.distribute(_mlp, spec, layout="mlp_model_parallel", seed=3)
+    assert keras.distribution.distribution() is None
+    got = run(model)
+    keras.utils.set_random_seed(3)
+    want = run(_mlp())
+    for key in want[0]:
+        _close(want[0][key], got[0][key], key)
+    _close(want[1], got[1], "evaluate")
+    _close([want[2]], [got[2]], "predict")
+    specs = {w.path.split("/", 1)[1]: list(_specs(w)) for w in model.weights}
+    split = "model" if "model" in spec else dtensor.UNSHARDED
+    assert specs["d1/kernel"] == [dtensor.UNSHARDED, split]
+    assert specs["d2/kernel"] == [split, dtensor.UNSHARDED]
+
+
+def test_a_dtk_table_as_the_guides_layout_map():
+    """``dtk.layout_map(mesh, table, axes=...)`` on keras.io's ``["data", "model"]`` mesh: the
+    rules become keys over Keras 3's paths, and the guide's ModelParallel trains with them to
+    plain Keras 3's numbers."""
+    layout_map = dtk.layout_map(_mesh((2, 4)), "mlp_model_parallel", axes={"batch": "data"})
+    assert layout_map["sequential/d1/kernel"].axes == (None, "model")
+    assert layout_map["outer/inner/d2/kernel"].axes == ("model", None)
+    assert layout_map["sequential/d1/bias"].axes == ("model",)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+    x, y = _images(64)
+
+    def run():
+        model = _guide_model()
+        model.compile(loss="categorical_crossentropy", optimizer="adam")
+        return model.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"], model
+
+    (want, plain), (got, model) = _both(distribution, run)
+    _close(want, got, "loss")
+    _close(plain.get_weights(), model.get_weights(), "weights")
+    assert list(_specs(model.get_layer("d1").kernel)) == [dtensor.UNSHARDED, "model"]
 
 
 

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -137,11 +138,18 @@ def enable_keras_distribution(*, virtual_devices: int | None = None) -> None:
     for name in ("uniform", "normal", "truncated_normal", "dropout"):
         _ENABLED[f"random.{name}"] = getattr(tf_random, name)
         setattr(tf_random, name, functools.partial(_draw, name))
-    for name, position in (("fit", 2), ("evaluate", 2), ("predict", 1)):
+    import tf_keras  # pylint: disable=g-import-not-at-top
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+                 "predict_on_batch"):
+        _ENABLED[f"tf_keras.{name}"] = getattr(tf_keras.Model, name)
+        setattr(tf_keras.Model, name, _keras2_checked(name))
+    _ENABLED["compile"] = tf_trainer.TensorFlowTrainer.compile
+    tf_trainer.TensorFlowTrainer.compile = _compile
+    for name, position in (("fit", 3), ("evaluate", 3), ("predict", 2)):
         _ENABLED[name] = getattr(tf_trainer.TensorFlowTrainer, name)
         setattr(tf_trainer.TensorFlowTrainer, name, _checked(name, position))
     _ENABLED["Model.__call__"] = keras.Model.__call__
-    keras.Model.__call__ = _model_call
+    keras.Model.__call__ = _model_call_scoped
     from keras.src.backend.tensorflow import numpy as tf_numpy  # pylint: disable=g-import-not-at-top
     _ENABLED["numpy.flip"] = tf_numpy.flip
     tf_numpy.flip = _flip
@@ -156,6 +164,28 @@ def enable_keras_distribution(*, virtual_devices: int | None = None) -> None:
     backend_lib.get_device_count = lambda device_type=None: len(
         backend_lib.list_devices(device_type))
     _ENABLED["keras"] = keras
+
+
+def _keras2_checked(name: str):
+    """tf_keras's ``Model.<name>``, refused for a plain tf_keras model while a Keras 3
+    distribution is set: Keras 3's distribution lays out Keras 3 models only, and the tf_keras
+    model would train on one device while the user believes it is distributed."""
+    method = _ENABLED[f"tf_keras.{name}"]
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        distribution = _distribution()
+        if distribution is not None and getattr(self, "_dtk_mesh_state", None) is None:
+            raise TypeError(
+                f"{name}() of model {self.name!r}: it is a tf_keras (Keras 2) model, but a Keras 3 "
+                f"distribution is set ({type(distribution).__name__}, "
+                "keras.distribution.set_distribution): Keras 3's distribution lays out Keras 3 "
+                "models only, so this one would train on one device. Build it with `import "
+                "keras` (Keras 3), or lay a tf_keras model out with dtk.distribute(factory, "
+                "mesh)")
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 def _distribution():
@@ -246,6 +276,140 @@ def _to_backend_layout(tensor_layout) -> dtensor.Layout:
 
 def _backend_layout(layout) -> dtensor.Layout:
     return layout.backend_layout if hasattr(layout, "backend_layout") else layout
+
+
+# -- dtk's tables as LayoutMaps --------------------------------------------------------------------
+def _device_mesh(mesh):
+    """A ``keras.distribution.DeviceMesh`` from a DeviceMesh, a ``dtensor.Mesh`` or a spec
+    string (``"batch=4,model=2"``, over the first devices ``list_devices()`` gives)."""
+    keras = _ENABLED.get("keras") or _keras()
+    if isinstance(mesh, keras.distribution.DeviceMesh):
+        return mesh
+    if isinstance(mesh, dtensor.Mesh):
+        axes = [(name, mesh.dim_size(name)) for name in mesh.dim_names]
+    elif isinstance(mesh, str):
+        from dtk.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+        axes = list(mesh_lib.parse_mesh_spec(mesh).axes)
+        if any(size == -1 for _, size in axes):  # "batch=-1,model=2": every device
+            rest = int(np.prod([size for _, size in axes if size != -1]))
+            total = len(keras.distribution.list_devices())
+            axes = [(name, total // rest if size == -1 else size) for name, size in axes]
+    else:
+        raise TypeError(f"mesh must be a keras.distribution.DeviceMesh, a dtensor.Mesh or a "
+                        f"spec string like 'batch=4,model=2'; got {type(mesh).__name__}: "
+                        f"{str(mesh)[:60]!r}")
+    count = int(np.prod([size for _, size in axes]))
+    devices = keras.distribution.list_devices()
+    if count > len(devices):
+        raise ValueError(
+            f"mesh {','.join(f'{n}={s}' for n, s in axes)} needs {count} devices; "
+            f"keras.distribution.list_devices() lists {len(devices)}: make the axes' product "
+            f"at most {len(devices)}")
+    return keras.distribution.DeviceMesh(shape=tuple(size for _, size in axes),
+                                         axis_names=[name for name, _ in axes],
+                                         devices=devices[:count])
+
+
+def layout_map(mesh, table, *, axes: dict[str, str] | None = None):
+    """A dtk layout table (``layouts/``) as a ``keras.distribution.LayoutMap`` for Keras 3.
+
+    Each rule becomes one key: its pattern, written over dtk's dotted weight paths
+    (``d1\.kernel``), matched against Keras 3's variable paths (``sequential/d1/kernel``) with
+    ``/`` for the dot, anywhere below the model (``(.*/)?d1/kernel``); its dims become the
+    ``TensorLayout``'s axes (``unsharded`` is ``None``; an optional axis the mesh lacks is
+    ``None`` too). The map remembers its table: at the model's first step dtk checks that every
+    rule lays out some weight (a rule written for tf_keras paths that the Keras 3 model does
+    not have is an error naming the rule and the model's paths), that a table whose
+    ``default`` is ``error`` has a rule for every weight, and that a weight two rules match is
+    refused.
+
+    Args:
+      mesh: a ``keras.distribution.DeviceMesh``, a ``dtensor.Mesh`` or a spec string
+        (``"batch=4,model=2"``).
+      table: a table's name (``"mlp_model_parallel"``), path, or ``dtk.LayoutTable``.
+      axes: the table's axis names renamed to the mesh's, e.g. ``{"batch": "data"}`` for
+        keras.io's ``DeviceMesh(axis_names=["data", "model"])``.
+
+    Returns:
+      A ``keras.distribution.LayoutMap`` on ``mesh``, for
+      ``keras.distribution.ModelParallel(layout_map=..., batch_dim_name=...)``.
+
+    Raises:
+      ValueError: a table axis that is neither in the mesh nor optional, an unknown table.
+    """
+    keras = _ENABLED.get("keras") or _keras()
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    device_mesh = _device_mesh(mesh)
+    if not isinstance(table, layouts.LayoutTable):
+        table = layouts.load_table(table)
+    renamed = dict(axes or {})
+    for name, target in renamed.items():
+        if name not in table.axes:
+            raise ValueError(f"axes={renamed}: {name!r} is not an axis of table {table.name!r} "
+                             f"(its axes: {list(table.axes)})")
+        if target not in device_mesh.axis_names:
+            raise ValueError(f"axes={renamed}: {target!r} is not an axis of the mesh (axes "
+                             f"{list(device_mesh.axis_names)})")
+    mesh_axes = list(device_mesh.axis_names)
+    for name in table.axes:
+        if renamed.get(name, name) not in mesh_axes and name not in table.optional_axes:
+            raise ValueError(
+                f"table {table.name!r} shards over axis {name!r}, which the mesh (axes "
+                f"{mesh_axes}, shape {tuple(device_mesh.shape)}) lacks: name a mesh axis "
+                f"{name!r}, or pass axes={{{name!r}: <one of {mesh_axes}>}}")
+    result = keras.distribution.LayoutMap(device_mesh)
+    keys = {}
+    for rule in table.rules:
+        dims = []
+        for dim in rule.dims:
+            axis = renamed.get(dim, dim) if dim else None
+            dims.append(axis if axis in mesh_axes else None)
+        key = "(.*/)?" + rule.pattern.replace(r"\.", "/")
+        result[key] = tuple(dims)
+        keys[key] = rule
+    result._dtk_table = table  # pylint: disable=protected-access
+    result._dtk_rules = keys  # pylint: disable=protected-access
+    # mesh axes over which the table may replicate every weight on purpose
+    result._dtk_replicated = {renamed.get(a, a) for a in table.replicated_axes}  # pylint: disable=protected-access
+    return result
+
+
+def distribute_model(model_factory, mesh, *, layout="data_parallel", seed: int = 0,
+                     input_shape=None, batch_axis: str = "batch", allow_replicated: bool = False,
+                     shard_optimizer_state: bool | str = "auto"):
+    """``dtk.distribute`` of a Keras 3 factory: ``model_factory()`` built under a
+    ``ModelParallel`` on ``mesh`` whose ``LayoutMap`` is the table ``layout``, seeded by
+    ``keras.utils.set_random_seed(seed)`` (the initial weights equal a plain build's with that
+    seed). The distribution stays with the model: its ``compile``/``fit``/``evaluate``/
+    ``predict`` and calls run under it, and no global distribution is set.
+
+    Raises:
+      ValueError: the checks of ``layout_map``; ``batch_axis`` not in the mesh.
+    """
+    enable_keras_distribution()
+    keras = _ENABLED["keras"]
+    device_mesh = _device_mesh(mesh)
+    if batch_axis not in device_mesh.axis_names:
+        raise ValueError(f"batch_axis {batch_axis!r} is not an axis of the mesh (axes "
+                         f"{list(device_mesh.axis_names)}); pass batch_axis= one of them")
+    table_map = layout_map(device_mesh, layout)
+    if allow_replicated:
+        table_map._dtk_replicated = set(device_mesh.axis_names)  # pylint: disable=protected-access
+    distribution = keras.distribution.ModelParallel(layout_map=table_map,
+                                                    batch_dim_name=batch_axis)
+    if shard_optimizer_state is False:
+        distribution._dtk_shard_optimizer_state = False  # pylint: disable=protected-access
+    keras.utils.set_random_seed(seed)
+    with distribution.scope():
+        model = model_factory()
+        if not model.built and input_shape is not None:
+            model.build((None, *input_shape))
+    model._dtk_distribution = distribution  # pylint: disable=protected-access
+    _log.info("dtk.distribute: Keras 3 model %r on mesh %s, table %r (keras.distribution)",
+              model.name, ",".join(f"{n}={s}" for n, s in zip(device_mesh.axis_names,
+                                                             device_mesh.shape)),
+              table_map._dtk_table.name)  # pylint: disable=protected-access
+    return model
 
 
 # -- variables ------------------------------------------------------------------------------------
@@ -348,7 +512,8 @@ def _add_slot(self, reference_variable, name=None, initializer="zeros"):
     original = _ENABLED["add_variable_from_reference"]
     layout = getattr(reference_variable, "_dtk_layout", None)
     distribution = _distribution()
-    if layout is None or distribution is None:
+    if layout is None or distribution is None or \
+            getattr(distribution, "_dtk_shard_optimizer_state", True) is False:
         return original(self, reference_variable, name=name, initializer=initializer)
     from dtk.train import steps  # pylint: disable=g-import-not-at-top
     state = _mesh_state(distribution)
@@ -536,8 +701,8 @@ def _seed_key(seed) -> tf.Tensor:
 # -- batches and steps ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _state_for(mesh: dtensor.Mesh, batch_axis: str):
-    from dtk.train import distribute  # pylint: disable=g-import-not-at-top
-    return distribute._MeshState(mesh, batch_axis)  # pylint: disable=protected-access
+    from dtk.train import mesh_calls  # pylint: disable=g-import-not-at-top
+    return mesh_calls.MeshState(mesh, batch_axis)
 
 
 def _mesh_state(distribution):
@@ -549,12 +714,41 @@ def _mesh_state(distribution):
 def _on_mesh(model) -> bool:
     """Whether ``model``'s variables are DTensors (built under a distribution); for a model
     with no variables yet (a subclassed model built by its first batch), whether a
-    distribution is set."""
+    distribution is set or the model has its own (``dtk.distribute``)."""
     for variable in model.variables:
         value = getattr(variable, "_value", None)
         if value is not None:
             return isinstance(value, dtensor.DVariable)
-    return _distribution() is not None
+    return _distribution() is not None or getattr(model, "_dtk_distribution", None) is not None
+
+
+@contextlib.contextmanager
+def _scope_of(model):
+    """The model's own distribution (``dtk.distribute`` of a Keras 3 factory keeps it on the
+    model, not global), in force while Keras works on the model: its optimizer's slots and a
+    subclassed model's weights, made inside the first step, are laid out by it."""
+    distribution = getattr(model, "_dtk_distribution", None)
+    if distribution is None or _distribution() is not None:
+        yield
+        return
+    with distribution.scope():
+        yield
+
+
+@tf.autograph.experimental.do_not_convert
+def _compile(self, optimizer="rmsprop", *args, **kwargs):
+    """``Model.compile`` of a model on the mesh: an optimizer made before the distribution was
+    in force (its ``iterations`` a plain variable on one device, which a step on the mesh
+    cannot take) and not yet used is made again, from its config, under the distribution."""
+    if not _on_mesh(self):
+        return _ENABLED["compile"](self, optimizer, *args, **kwargs)
+    keras = _ENABLED["keras"]
+    with _scope_of(self):
+        if isinstance(optimizer, keras.optimizers.Optimizer) and not optimizer.built and any(
+                not isinstance(getattr(v, "_value", None), dtensor.DVariable)
+                for v in optimizer.variables):
+            optimizer = type(optimizer).from_config(optimizer.get_config())
+        return _ENABLED["compile"](self, optimizer, *args, **kwargs)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -570,6 +764,12 @@ def _model_call(self, *args, **kwargs):
         return _ENABLED["Model.__call__"](self, *args, **kwargs)
     packed = _mesh_state(distribution).pack(args[0], local=_per_process(distribution))
     return _ENABLED["Model.__call__"](self, packed, *args[1:], **kwargs)
+
+
+@tf.autograph.experimental.do_not_convert
+def _model_call_scoped(self, *args, **kwargs):
+    with _scope_of(self):
+        return _model_call(self, *args, **kwargs)
 
 
 def _check_plain_model(model) -> None:
@@ -647,11 +847,13 @@ def _checked(name: str, position: int):
             state = _mesh_state(_model_distribution(self))
             size = kwargs.get("batch_size", args[position - 1] if len(args) >= position
                               else None)
-            y = kwargs.get("y", args[1] if len(args) > 1 else None)
+            # (batch_size is Keras's third parameter of fit/evaluate, its second of predict)
+            y = kwargs.get("y", args[1] if len(args) > 1 and name != "predict" else None)
             state.check_call(name, size, kwargs.get("callbacks"), y=y,
                              class_weight=kwargs.get("class_weight"),
                              validation_split=kwargs.get("validation_split"), keras2=False)
-        return method(self, *args, **kwargs)
+        with _scope_of(self):
+            return method(self, *args, **kwargs)
 
     return checked
 
@@ -680,7 +882,9 @@ def _check_layout_map(model, distribution) -> None:
               if getattr(layer, "path", None)]
     unused = [key for key in layout_map
               if not any(key == p or re.fullmatch(key, p) for p in paths)]
-    if unused:
+    if getattr(layout_map, "_dtk_table", None) is not None:
+        _check_table(model, distribution, layout_map, unused)
+    elif unused:
         raise ValueError(
             f"LayoutMap key(s) {unused} match no variable or layer output of model "
             f"{model.name!r}, so they lay out nothing (its variable paths: "
@@ -689,6 +893,46 @@ def _check_layout_map(model, distribution) -> None:
             "model's name in a Sequential or nested model: '(.*/)?d1/kernel' matches d1's "
             "kernel anywhere) or remove the key")
     model._dtk_layout_map_checked = True  # pylint: disable=protected-access
+
+
+def _check_table(model, distribution, layout_map, unused) -> None:
+    """The checks of a ``dtk.layout_map`` (a dtk table), once the model's weights exist: every
+    rule lays out a weight, every weight has a rule where the table's default is ``error``,
+    and every non-batch mesh axis shards something unless the table replicates over it."""
+    import re  # pylint: disable=g-import-not-at-top
+    table, rules = layout_map._dtk_table, layout_map._dtk_rules  # pylint: disable=protected-access
+    paths = [w.path for w in model.weights]
+    shown = f"{', '.join(paths[:6])}{' ...' if len(paths) > 6 else ''}"
+    if unused:
+        patterns = [rules[key].pattern for key in unused]
+        listed = ", ".join(patterns[:4]) + (f", ... ({len(patterns)} of the table's "
+                                            f"{len(rules)} rules)" if len(patterns) > 4 else "")
+        raise ValueError(
+            f"layout table {table.name!r}: rule(s) {listed} match no weight of Keras 3 model "
+            f"{model.name!r} (its weight paths: {shown}). A table names weights by layer name "
+            "and attribute, as dtk's tf_keras models have them (d1.kernel, "
+            "block0_attn._query_dense.kernel), matched against Keras 3's paths with '/' for "
+            "'.'; name the model's layers as the table expects, or write a table (or a "
+            "keras.distribution.LayoutMap) for this model's paths")
+    if table.default == "error":
+        bare = [p for p in paths if not any(re.fullmatch(key, p) for key in rules)]
+        if bare:
+            raise ValueError(
+                f"layout table {table.name!r} has default = 'error', and no rule lays out "
+                f"weight(s) {bare[:6]}{' ...' if len(bare) > 6 else ''} of Keras 3 model "
+                f"{model.name!r}: add rules for them (dims 'unsharded' to replicate)")
+    mesh = distribution.device_mesh
+    sharding = {axis for w in model.weights
+                for axis in getattr(getattr(w, "_dtk_layout", None), "sharding_specs", ())
+                if axis != dtensor.UNSHARDED}
+    for axis, size in zip(mesh.axis_names, mesh.shape):
+        if size > 1 and axis != distribution.batch_dim_name and axis not in sharding and \
+                axis not in layout_map._dtk_replicated:  # pylint: disable=protected-access
+            raise ValueError(
+                f"layout table {table.name!r} shards no weight of Keras 3 model {model.name!r} "
+                f"over mesh axis {axis!r} (size {size}): its {size} devices would repeat the "
+                "same work. Use a table with rules for this model's layers, or a mesh without "
+                f"axis {axis!r}")
 
 
 def _make_function(self, step_function):
@@ -710,13 +954,14 @@ def _make_function(self, step_function):
     # One trace per batch shape (two at most: a last partial batch), never a relaxed one of an
     # unknown size: the mesh-invariant draws index every element of the batch. Several steps
     # per call (compile(steps_per_execution=n)) run as one compiled loop over n stacked batches.
-    from dtk.train import distribute  # pylint: disable=g-import-not-at-top
-    calls = distribute.MeshCalls(step, state, reduce_retracing=False,
+    from dtk.train import mesh_calls  # pylint: disable=g-import-not-at-top
+    calls = mesh_calls.MeshCalls(step, state, reduce_retracing=False,
                                  local=_per_process(distribution))
 
     def function(iterator):
-        outputs = calls(distribute.next_batches(iterator, int(self.steps_per_execution)))
-        _check_layout_map(self, distribution)  # (a subclassed model has variables now)
+        with _scope_of(self):
+            outputs = calls(mesh_calls.next_batches(iterator, int(self.steps_per_execution)))
+            _check_layout_map(self, distribution)  # (a subclassed model has variables now)
         return outputs
 
     return function
@@ -751,7 +996,7 @@ def _make_predict_function(self, force: bool = False):
     def function(datas):
         outputs = None
         for data in datas:
-            with dtensor.default_mesh(state.mesh):
+            with dtensor.default_mesh(state.mesh), _scope_of(self):
                 step_outputs = traced(state.pack(data, local=local))
             step_outputs = tf.nest.map_structure(
                 lambda t: dtensor.unpack(t)[0] if isinstance(t, tf.Tensor) and

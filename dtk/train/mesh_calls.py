@@ -1,0 +1,255 @@
+"""The seams both Kerases share on the mesh: a model's mesh state and its compiled calls.
+
+``dtk.distribute`` (tf_keras) and ``dtk.enable_keras_distribution`` (Keras 3) each hand Keras's own
+step to these, so that batch checks, packing (a batch split over the batch axis, a last partial
+batch replicated, each client packing its own rows) and several steps per call are written once:
+
+* ``MeshState``: the mesh, its batch axis, and the per-model state of a run (the sharded update,
+  microbatches, batches a resume skips, what runs when ``fit`` ends), with the checks of a
+  ``fit``/``evaluate``/``predict`` call made before Keras starts;
+* ``next_batches``: up to ``steps_per_execution`` batches from Keras's iterator, on the host;
+* ``MeshCalls``: the step as one ``tf.function`` per batch shape, and ``n`` stacked batches as one
+  compiled loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from dtk.data.input import pack
+from dtk.keras_check import require_keras2
+
+
+class MeshState:
+    def __init__(self, mesh: dtensor.Mesh, batch_axis: str):
+        self.mesh, self.batch_axis = mesh, batch_axis
+        self.size = mesh.dim_size(batch_axis)
+        self.accumulation = 1  # microbatches per batch (distribute's gradient_accumulation_steps)
+        self.sharded: Any = None  # distribute's _ShardedUpdate (shard_optimizer_state)
+        # Batches of the epoch a resume starts inside (CheckpointCallback after a stop at a
+        # step boundary): already trained, so the next train call reads past them first.
+        self.skip_batches = 0
+        # Run when fit returns or raises (Keras calls on_train_end only when it returns):
+        # CheckpointCallback's signal handlers and the directory's lock are released.
+        self.at_fit_end: list[Callable[[], Any]] = []
+
+    def end_fit(self) -> None:
+        self.skip_batches = 0
+        while self.at_fit_end:
+            self.at_fit_end.pop()()
+
+    def check_call(self, method: str, batch_size: Any, callbacks: Any, *, y: Any = None,
+                   class_weight: Any = None, validation_split: Any = None,
+                   keras2: bool = True) -> None:
+        """Refuses, before Keras starts, what would fail inside a step on the mesh (where a
+        failure cancels the process's collectives) or train silently wrong: a ``batch_size`` the
+        batch axis cannot divide, Keras 3 callbacks, TensorBoard's weight histograms, string
+        labels, class weights that miss a label, a ``validation_split`` outside [0, 1).
+
+        Raises:
+          ValueError: naming the argument, its value, the axis and its size, and the fix.
+          TypeError: a Keras 3 callback (``keras2``), a ``batch_size`` that is not an integer.
+        """
+        for callback in tf.nest.flatten(callbacks) if callbacks is not None else ():
+            if keras2:  # (Keras 3's own fit, dtk.enable_keras_distribution, takes Keras 3's)
+                require_keras2(callback,
+                               f"{method}(callbacks=[...]) entry {type(callback).__name__}")
+            if type(callback).__name__ == "TensorBoard" and (
+                    callback.histogram_freq or callback.embeddings_freq):
+                raise ValueError(
+                    f"{method}(callbacks=[TensorBoard(histogram_freq={callback.histogram_freq}, "
+                    f"embeddings_freq={callback.embeddings_freq})]): TensorBoard's weight "
+                    "histograms and embeddings read the weights as one host tensor, which a "
+                    "weight laid out on the mesh is not; pass histogram_freq=0 and "
+                    "embeddings_freq=0 (losses, metrics and the learning rate are logged)")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+                batch_size, (int, np.integer)) or batch_size < 1):
+            raise TypeError(f"{method}(batch_size={batch_size!r}): batch_size must be a positive "
+                            f"integer, a multiple of mesh axis {self.batch_axis!r}'s size "
+                            f"{self.size}")
+        if validation_split is not None and not 0 <= validation_split < 1:
+            raise ValueError(f"{method}(validation_split={validation_split!r}): the fraction of "
+                             "the data held out must be in [0, 1) (e.g. 0.2)")
+        labels = y if isinstance(y, np.ndarray) else None
+        if labels is not None and labels.dtype.kind in "SUO":
+            raise ValueError(
+                f"{method}(y=...): labels are strings (e.g. {labels.flat[0]!s}), not class ids; "
+                "map them to integers first (e.g. tf_keras.layers.StringLookup, or "
+                "np.unique(y, return_inverse=True))")
+        if isinstance(class_weight, dict) and labels is not None and labels.size and \
+                labels.dtype.kind in "iuf":
+            ids = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels
+            missing = sorted(set(np.unique(ids.astype(np.int64)).tolist()) - set(class_weight))
+            if missing:
+                raise ValueError(
+                    f"{method}(class_weight={class_weight!r}) has no weight for class(es) "
+                    f"{missing[:8]} found in y; give every class a weight (1.0 for unchanged)")
+        if (method == "fit" and isinstance(batch_size, (int, np.integer)) and self.accumulation > 1
+                and batch_size % self.size == 0 and batch_size % (self.accumulation * self.size)):
+            raise ValueError(
+                f"fit(batch_size={batch_size}) with gradient_accumulation_steps="
+                f"{self.accumulation}: mesh axis {self.batch_axis!r} (size {self.size}) gives each "
+                f"device {batch_size // self.size} rows, which {self.accumulation} microbatches "
+                f"cannot split; use a multiple of {self.accumulation * self.size}")
+        if isinstance(batch_size, (int, np.integer)) and batch_size % self.size:
+            fits = [b for b in (batch_size - batch_size % self.size,
+                                batch_size + self.size - batch_size % self.size) if b > 0]
+            raise ValueError(
+                f"{method}(batch_size={batch_size}): mesh axis {self.batch_axis!r} of size "
+                f"{self.size} cannot split it evenly over its devices; use a multiple of "
+                f"{self.size} (e.g. {' or '.join(map(str, fits))}). A last batch smaller than "
+                "batch_size (the data's remainder) is fine: dtk runs it whole on every device, "
+                "with Keras's numbers")
+
+    def pack(self, data: Any, *, local: bool = False) -> Any:
+        """A batch from Keras's data adapter, on the mesh: sharded over the batch axis on dim 0
+        when the axis divides it (``dtk.data.input.pack``, which takes each local device's rows
+        from its coordinates, on any mesh and client count), else replicated (the last partial
+        batch: every device computes the whole of it, so its numbers are Keras's; one more
+        trace). ``local``: the batch holds this client's rows only (Keras 3's per-process
+        batches)."""
+        present = [t for t in tf.nest.flatten(data) if t is not None]
+        arrays = [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in present]
+        rows = {a.shape[0] for a in arrays if a.ndim}
+        share = self.size // self.clients_on_axis() if local else self.size
+        if len(rows) == 1 and next(iter(rows)) % share == 0 and all(a.ndim for a in arrays):
+            packed = iter(pack(self.mesh, arrays, batch_axis=self.batch_axis, local=local))
+        elif local:
+            raise ValueError(
+                f"a batch of {sorted(rows)} rows on this client cannot be split over its "
+                f"{share} device(s) of mesh axis {self.batch_axis!r}: with several processes "
+                "each batch must fill every device (batch the dataset with "
+                "drop_remainder=True, or a global batch size that is a multiple of "
+                f"{self.size})")
+        else:
+            local = len(self.mesh.local_device_locations())
+            packed = iter(dtensor.pack([a] * local, dtensor.Layout.replicated(self.mesh, a.ndim))
+                          for a in arrays)
+        return tf.nest.map_structure(lambda t: None if t is None else next(packed), data)
+
+
+    def clients_on_axis(self) -> int:
+        """How many clients hold distinct rows of the batch axis."""
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+        local = {loc[self.batch_axis] for loc in self.mesh.local_device_locations()}
+        return max(1, min(cluster.num_clients(), self.size // max(1, len(local))))
+
+    def stackable(self, datas: list, *, local: bool = False) -> int:
+        """How many of ``datas``, from the first, can run as one compiled call of several steps:
+        batches of the first one's structure and shapes that the batch axis divides (a last
+        partial batch runs on its own)."""
+        def shapes(data):
+            leaves = tf.nest.flatten(data)
+            return tuple(None if t is None else tuple(t.shape) for t in leaves)
+
+        first = shapes(datas[0])
+        rows = {s[0] for s in first if s is not None and len(s)}
+        share = self.size // self.clients_on_axis() if local else self.size
+        if len(rows) != 1 or any(s is not None and not s for s in first) or \
+                next(iter(rows)) % share:
+            return 1
+        count = 1
+        while count < len(datas) and shapes(datas[count]) == first:
+            count += 1
+        return count
+
+    def pack_stack(self, datas: list, *, local: bool = False) -> Any:
+        """``datas`` (batches of one structure and shape) stacked ``[n, B, ...]`` on the mesh,
+        sharded over the batch axis on dim 1 (``dtk.data.input.pack(stacked=True)``)."""
+        leaves = [tf.nest.flatten(d) for d in datas]
+        stacked = [None if column[0] is None else np.stack(
+            [t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in column])
+            for column in zip(*leaves)]
+        present = [a for a in stacked if a is not None]
+        packed = iter(pack(self.mesh, present, batch_axis=self.batch_axis, stacked=True,
+                           local=local))
+        return tf.nest.pack_sequence_as(
+            datas[0], [None if a is None else next(packed) for a in stacked])
+
+
+def next_batches(iterator: Any, count: int) -> list:
+    """Up to ``count`` batches from Keras's data iterator (a Python iterator or a
+    ``tf.data.Iterator``), on the host; ``StopIteration`` when it has none."""
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(iterator.get_next() if isinstance(iterator, tf.data.Iterator)
+                           else next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if not batches:
+                raise StopIteration  # pylint: disable=raise-missing-from
+            break
+    return batches
+
+
+class MeshCalls:
+    """A Keras step (``body``: a batch on the mesh -> its logs) compiled for the mesh, called on
+    host batches: the compiled function of both Kerases' ``make_*_function`` seams.
+
+    Several batches in one call (``steps_per_execution``) of one shape run as one compiled call
+    that loops over them stacked ``[n, B, ...]`` (``tf.gather`` of step i: indexing fails under
+    DTensor): the same updates as n calls, with one dispatch, as dtk's Trainer runs them. The
+    loop carries the step's logs from zeros laid out as a one-step call's. A last partial batch
+    runs on its own.
+    """
+
+    def __init__(self, body: Callable, state: "MeshState", *, reduce_retracing: bool,
+                 local: bool = False):
+        self.state, self.local = state, local
+        self.traced = tf.function(body, reduce_retracing=reduce_retracing)
+        self._logs_layouts: list = []
+
+        def many_body(stack):
+            n = int(next(t for t in tf.nest.flatten(stack) if t is not None).shape[0])
+            structure, layouts_ = self._logs_layouts[0]
+            zeros = tf.nest.pack_sequence_as(structure, [
+                dtensor.call_with_layout(tf.zeros, layout, shape=shape, dtype=dtype)
+                for layout, shape, dtype in layouts_])
+
+            def loop(i, _):
+                data = tf.nest.map_structure(
+                    lambda t: None if t is None else tf.gather(t, i), stack)
+                return i + 1, body(data)
+
+            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
+
+        self.traced_many = tf.function(many_body, reduce_retracing=False)
+        self._fresh = True
+
+    def _remember_layouts(self, outputs) -> None:
+        """The one-step call's logs, as the loop's starting values: all DTensors, else several
+        steps per call run as one call each."""
+        if self._logs_layouts:
+            return
+        leaves = tf.nest.flatten(outputs)
+        if leaves and all(isinstance(t, tf.Tensor) and dtensor.is_dtensor(t) for t in leaves):
+            self._logs_layouts.append((outputs, [(dtensor.fetch_layout(t), t.shape, t.dtype)
+                                                 for t in leaves]))
+        else:
+            self._logs_layouts.append(None)
+
+    def __call__(self, datas: list) -> Any:
+        state, outputs = self.state, None
+        if len(datas) > 1 and not self._fresh and self._logs_layouts[0] is not None:
+            stacked = state.stackable(datas, local=self.local)
+            if stacked > 1:
+                outputs = self.traced_many(state.pack_stack(datas[:stacked], local=self.local))
+                datas = datas[stacked:]
+        for data in datas:
+            batch = state.pack(data, local=self.local)
+            if self.traced.experimental_get_tracing_count() and not self._fresh:
+                outputs = self.traced(batch)
+                continue
+            # Variables Keras makes in the first trace (metrics' state, built on first use) are
+            # made on the mesh, replicated: one not on it computes wrong values there. (Only
+            # then: the scope costs about a millisecond a call.)
+            with dtensor.default_mesh(state.mesh):
+                outputs = self.traced(batch)
+            self._fresh = False
+            self._remember_layouts(outputs)
+        return outputs
