@@ -37,7 +37,7 @@ _EXPORTS = {
     "load_mnist": "dtk.data.mnist",
     "LayoutTable": "dtk.parallel.layouts",
     "build_model": "dtk.parallel.layouts",
-    "explain": "dtk.parallel.layouts",
+    "explain": "dtk.train.keras3",
     "load_table": "dtk.parallel.layouts",
     "plan_layouts": "dtk.parallel.layouts",
     "Checkpointer": "dtk.train.checkpoint",
@@ -76,6 +76,7 @@ _SUBMODULES = {
     "models": "dtk.models",
     "optimizers": "dtk.train.optimizers",
     "planner": "dtk.planning.planner",
+    "ray": "dtk.cluster.ray",
     "remat": "dtk.parallel.remat",
     "steps": "dtk.train.steps",
     "trainer": "dtk.train.trainer",
@@ -103,8 +104,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.checkpoint import Checkpointer, export, gather_weights, global_value  # noqa: F401
     from dtk.data.input import (Batch, ClientShard, DataSource, DistributedDataset,  # noqa: F401
                                 InputConfig, pack)
-    from dtk.parallel.layouts import (LayoutTable, build_model, explain, load_table,  # noqa: F401
+    from dtk.parallel.layouts import (LayoutTable, build_model, load_table,  # noqa: F401
                                       plan_layouts)
+    from dtk.train.keras3 import (batches_on_mesh, enable_keras_distribution,  # noqa: F401
+                                  explain, layout_map)
     from dtk.parallel.mesh import (BATCH_AXIS, MODEL_AXIS, MeshSpec, build_mesh,  # noqa: F401
                                    configure_virtual_cpus, describe_mesh, parse_mesh_spec)
     from dtk.data.mnist import load_mnist  # noqa: F401
@@ -114,5 +117,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
     from dtk.train.distribute import CheckpointCallback, distribute  # noqa: F401
     from dtk.train.preemption import Preempted  # noqa: F401
-    from dtk.train.keras3 import batches_on_mesh, enable_keras_distribution  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

@@ -2,6 +2,11 @@
 
     dtk-explain --model mlp --mesh batch=4,model=2 --layout mlp_model_parallel
     python -m dtk.explain_cli --model cnn --mesh batch=8
+    dtk-explain --factory my_models:build --mesh batch=4,model=2 --layout mlp_model_parallel
+
+``--factory module:function`` explains the user's own model: a tf_keras factory is planned as
+above; a Keras 3 (``keras``) factory is built under Keras's distribution API on the mesh
+(``dtk.distribute``: its variables are made, on virtual CPUs) and each weight's layout read back.
 
 Plans the layouts (no DTensor variable is created, nothing trains) and prints the explainer: one
 row per weight (path, shape, the rule that matched, its sharding, bytes per device), the table's
@@ -23,26 +28,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layout", default=None,
                         help="table name or .toml path (default: the model's own table)")
     parser.add_argument("--strict", action="store_true", help="a rule matching nothing is an error")
+    parser.add_argument("--factory", default=None,
+                        help="module:function returning your own model (tf_keras or Keras 3); "
+                        "replaces --model")
     args = parser.parse_args(argv)
     from dtk import _env  # pylint: disable=g-import-not-at-top
     _env.import_tensorflow_quietly(always=True)
     from dtk.parallel import layouts, mesh  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
+    from dtk.keras_check import Keras3Model  # pylint: disable=g-import-not-at-top
     try:
-        if args.model not in models.MODEL_SPECS:
+        if args.factory:
+            factory, table = _factory(args.factory), args.layout or "data_parallel"
+        elif args.model not in models.MODEL_SPECS:
             raise ValueError(f"--model {args.model!r} is unknown; choose one of "
-                             f"{', '.join(models.MODEL_SPECS)}")
-        spec = models.MODEL_SPECS[args.model]
+                             f"{', '.join(models.MODEL_SPECS)}, or pass --factory "
+                             "module:function")
+        else:
+            spec = models.MODEL_SPECS[args.model]
+            factory, table = spec.factory, args.layout or spec.layout
         mesh_spec = mesh.parse_mesh_spec(args.mesh)
         built = mesh.build_mesh(mesh_spec, device_type="cpu",
                                 virtual_devices=mesh_spec.num_devices)
-        plan = layouts.plan_layouts(args.layout or spec.layout, built, spec.factory,
-                                    strict=args.strict, allow_replicated=True)
-    except (ValueError, TypeError) as e:
+        try:
+            text = layouts.explain(layouts.plan_layouts(table, built, factory,
+                                                        strict=args.strict,
+                                                        allow_replicated=True))
+        except Keras3Model:
+            from dtk.train import keras3  # pylint: disable=g-import-not-at-top
+            text = keras3.explain(keras3.distribute_model(factory, built, layout=table,
+                                                          allow_replicated=True))
+    except (ValueError, TypeError, ImportError, AttributeError) as e:
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         return 2
-    print(layouts.explain(plan))
+    print(text)
     return 0
+
+
+def _factory(text: str):
+    """``module:function`` imported (the current directory first, as ``python -m`` does)."""
+    import importlib  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    module, _, name = text.partition(":")
+    if not module or not name:
+        raise ValueError(f"--factory {text!r}: give module:function, e.g. my_models:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    found = getattr(importlib.import_module(module), name, None)
+    if not callable(found):
+        raise ValueError(f"--factory {text!r}: module {module!r} has no function {name!r}")
+    return found
 
 
 if __name__ == "__main__":

@@ -66,7 +66,27 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
 def run_app(main: Callable[[list[str]], Any], *, module: str | None = None) -> None:
     """``absl.app.run(main)`` with ``parse_flags``'s conventions (the ``main`` of every script)."""
     from absl import app  # pylint: disable=g-import-not-at-top
-    app.run(main, flags_parser=lambda argv: parse_flags(argv, module=module))
+    try:
+        app.run(main, flags_parser=lambda argv: parse_flags(argv, module=module))
+        _flush_stdout()
+    except SystemExit:  # (--help, an error line, the run's own status)
+        _flush_stdout()
+        raise
+    except BrokenPipeError:  # stdout closed early (`dtk-train-recsys -h | head -3`)
+        _flush_stdout()
+        sys.exit(1)
+
+
+def _flush_stdout() -> None:
+    """Flushes stdout; a reader that closed the pipe early (``| head``) is no error of the
+    command: the rest of the output goes nowhere, with no traceback at exit (Python's own
+    recipe, https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        import os  # pylint: disable=g-import-not-at-top
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def entry_point(main: Callable[[list[str]], Any], module: str) -> Callable[[], None]:

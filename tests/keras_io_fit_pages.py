@@ -981,7 +981,9 @@ PAGES["mixed_precision"] = Page(
 
 
 # -- "OCR model for reading Captchas" (CTC loss added by a layer) ------------------------------
-OCR = dict(img_width=24, img_height=8, max_length=2, characters=9)
+# (16 wide: 4 time steps after pooling, the fewest CTC takes for 2 labels plus a blank between;
+# each step is unrolled in the LSTMs and the CTC recursion)
+OCR = dict(img_width=16, img_height=8, max_length=2, characters=9)
 
 
 class CTCLayer(layers.Layer):
@@ -1043,7 +1045,7 @@ def _captchas_fit():
 PAGES["ocr_ctc"] = Page(
     page="OCR model for reading Captchas (CTC loss through add_loss)", factory=ocr_model,
     fit=_captchas_fit, draws=True,
-    changed="24x8 images, 2 characters of 9, 8 filters, one BiLSTM of 8 units; labels of a "
+    changed="16x8 images, 2 characters of 9, 8 filters, one BiLSTM of 8 units; labels of a "
     "static length (shape=(2,), not (None,)) and the LSTM with unroll=True (its dropout masks "
     "are cached per graph, which dtk refuses with that fix): dtk unrolls the CTC recursion over "
     "static lengths; Keras's ctc_batch_cost runs as dtk's equivalent on the mesh "

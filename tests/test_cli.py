@@ -453,3 +453,19 @@ def _two_lists(stdout: str):
     first, end = decoder.raw_decode(text)
     second, _ = decoder.raw_decode(text[end:].strip())
     return first, second
+
+
+def test_help_into_a_closed_pipe_is_no_traceback_and_dtk_ray_is_an_attribute():
+    """``dtk-train-recsys -h | head -3``: the reader closes the pipe early; the command's output
+    goes nowhere, with no BrokenPipeError traceback (issue 70). ``import dtk;
+    dtk.ray.DTensorTrainer`` works as ``import dtk.cluster.ray`` does, with no warning."""
+    child = subprocess.Popen([sys.executable, str(procs.REPO / "scripts" / "train_recsys.py"),
+                              "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=procs.REPO, env=procs.base_env())
+    child.stdout.close()  # (before it writes: every write meets a closed pipe)
+    _, err = child.communicate(timeout=120)
+    assert "Traceback" not in err.decode() and "BrokenPipe" not in err.decode(), err.decode()
+    done = procs.run_python("import warnings\nwarnings.simplefilter('error')\nimport dtk\n"
+                            "print(dtk.ray.DTensorTrainer.__name__)\n", timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "DTensorTrainer", \
+        done.stderr[-2000:]

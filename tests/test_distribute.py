@@ -130,6 +130,14 @@ def test_run_eagerly_is_refused_with_the_reason():
     model = dtk.distribute(_mlp, dtk.build_mesh("batch=8"))
     with pytest.raises(ValueError, match=r"run_eagerly=True.*drop run_eagerly"):
         model.compile(optimizer="adam", loss="mse", run_eagerly=True)
+    # the attribute set after compile() gets the same answer (issue 70: it was ignored)
+    model.compile(optimizer="adam", loss="mse")
+    model.run_eagerly = True
+    x = np.zeros((16,) + tuple(model.inputs[0].shape[1:]), "float32")
+    with pytest.raises(ValueError, match=r"model.run_eagerly is True .*set model.run_eagerly = "
+                                         r"False"):
+        model.fit(x, np.zeros((16,) + tuple(model.outputs[0].shape[1:])), batch_size=8,
+                  verbose=0)
 
 
 def test_ema_is_applied_at_the_end_of_fit_as_keras_does():
@@ -290,12 +298,18 @@ def test_bad_calls_are_refused_in_one_line(call, error, phrase):
     assert "\n" not in str(info.value)
 
 
-def test_a_keras_3_model_is_refused():
+def test_a_keras_3_factory_takes_keras_3s_own_distribution():
+    """(Its training: tests/test_keras3.py.) The tf_keras path's own options are refused."""
     import keras as keras3  # pylint: disable=import-outside-toplevel  (TensorFlow 2.21 requires it)
     assert keras3.__version__.startswith("3"), keras3.__version__
-    with pytest.raises(TypeError, match="Keras 3"):
+    model = dtk.distribute(lambda: keras3.Sequential([keras3.layers.Dense(1)]),
+                           dtk.build_mesh("batch=8"))
+    assert isinstance(model, keras3.Model)
+    assert isinstance(model._dtk_distribution, keras3.distribution.ModelParallel)  # pylint: disable=protected-access
+    assert keras3.distribution.distribution() is None
+    with pytest.raises(ValueError, match=r"remat=\('d1',\) with a Keras 3 model"):
         dtk.distribute(lambda: keras3.Sequential([keras3.layers.Dense(1)]),
-                       dtk.build_mesh("batch=8"))
+                       dtk.build_mesh("batch=8"), remat=["d1"])
 
 
 def _compiled(spec):

@@ -133,9 +133,11 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--layout", "transformer_lm_moe", "--moe_experts", "1", "--moe_top_k", "2"],
      "--moe_top_k 2 is more than the 1 expert(s)"),
     (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_capacity_factor", "0"],
-     "--moe_capacity_factor must be > 0"),
+     "--moe_capacity_factor must be a finite number > 0"),
     (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_capacity_factor", "-1"],
-     "--moe_capacity_factor must be > 0"),
+     "--moe_capacity_factor must be a finite number > 0"),
+    (["--layout", "transformer_lm_moe", "--moe_experts", "8", "--moe_capacity_factor", "inf"],
+     "--moe_capacity_factor must be a finite number > 0"),
     (["--layout", "transformer_lm_moe", "--moe_experts", "-2"], "--moe_experts must be >= 0"),
     (["--mesh", "batch=2,expert=4", "--layout", "transformer_lm_moe"],
      "mesh axis 'expert' (size 4) shards the experts of a mixture-of-experts LM, but "

@@ -622,9 +622,65 @@ def test_readme_keras3_example_runs_as_written():
     start = readme.index("```python", readme.index("### Keras 3")) + len("```python\n")
     code = readme[start:readme.index("```", start)]
     assert "dtk.enable_keras_distribution()" in code and "model.fit(" in code
+    # the second example (dtk's table as a LayoutMap, dtk.distribute of a Keras 3 factory)
+    # continues the first
+    second = readme.index("```python", start) + len("```python\n")
+    more = readme[second:readme.index("```", second)]
+    assert "dtk.layout_map(" in more and "dtk.distribute(" in more
+    code += "\nprint('LOSS', model.history.history['loss'])\n" + more
     res = procs.run_python(code + "\nprint('LOSS', model.history.history['loss'])\n",
                            env=procs.base_env(TF_USE_LEGACY_KERAS="0", DTK_OFFLINE="1"),
                            timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    losses = eval(res.stdout.split("LOSS", 1)[1].strip())  # pylint: disable=eval-used
+    losses = eval(res.stdout.split("LOSS", 2)[1].strip().splitlines()[0])  # pylint: disable=eval-used
     assert losses[-1] < losses[0], losses
+    row = next(line for line in res.stdout.splitlines() if "d1/kernel" in line)
+    assert "[unsharded, model]" in row, res.stdout[-3000:]
+    assert np.isfinite(eval(res.stdout.split("LOSS", 2)[2].strip())[0])  # pylint: disable=eval-used
+
+
+def test_explain_shows_where_every_weight_of_a_keras3_model_lives(capsys):
+    """``dtk.explain(model)`` and ``dtk-explain --factory`` for a Keras 3 model: a row per
+    weight with the rule that laid it out and its bytes per device."""
+    from dtk import explain_cli  # pylint: disable=g-import-not-at-top
+    model = dtk.distribute(_mlp, "batch=4,model=2", layout="mlp_model_parallel")
+    text = dtk.explain(model)
+    row = next(line for line in text.splitlines() if "d1/kernel" in line)
+    assert "[12, 16]" in row and r"d[13579]\.kernel" in row and "[unsharded, model]" in row, text
+    assert "384 B" in row, row  # 12 x 16 float32 over model=2
+    assert text.splitlines()[-1].startswith("layouts: ") and "4 weights (3 sharded)" in text, text
+    assert explain_cli.main(["--factory", "tests.test_keras3:_mlp", "--mesh", "batch=4,model=2",
+                             "--layout", "mlp_model_parallel"]) == 0
+    assert r"d[13579]\.kernel" in capsys.readouterr().out
+    assert explain_cli.main(["--factory", "tests.test_keras3:nothing_here"]) == 2
+    assert "has no function 'nothing_here'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_export_and_model_checkpoint_of_a_sharded_model_serve_in_plain_tensorflow(tmp_path,
+                                                                                   shape):
+    """``model.export()`` of a model split over ``model`` writes a SavedModel with no DTensor in
+    it (a plain copy with the gathered weights): ``tf.saved_model.load`` serves the same
+    predictions. Keras's ``ModelCheckpoint`` (whole model and weights only) writes files that
+    plain Keras 3 loads with the trained weights."""
+    x, y = _images(64)
+    keras.distribution.set_distribution(_model_parallel(shape))
+    keras.utils.set_random_seed(0)
+    model = _guide_model()
+    model.compile(loss="mse", optimizer="adam")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch}.keras")),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{epoch}.weights.h5"),
+                                        save_weights_only=True)])
+    want = model.predict(x, batch_size=32, verbose=0)
+    trained = model.get_weights()
+    model.export(str(tmp_path / "exported"))
+    assert keras.distribution.distribution() is not None  # (put back as it was)
+    keras.distribution.set_distribution(None)
+    served = tf.saved_model.load(str(tmp_path / "exported"))
+    _close([want], [served.serve(tf.constant(x)).numpy()], "exported")
+    loaded = keras.saving.load_model(tmp_path / "m-2.keras")
+    _close(trained, loaded.get_weights(), "ModelCheckpoint")
+    plain = _guide_model()
+    plain.load_weights(tmp_path / "w-2.weights.h5")
+    _close(trained, plain.get_weights(), "ModelCheckpoint(save_weights_only=True)")

@@ -111,8 +111,9 @@ def test_killed_or_finished_runs_run_again_end_with_the_uninterrupted_model(tmp_
     """Killed at random steps and at an epoch's end, each re-run (by the same fit) ends with the
     uninterrupted run's weights bit for bit; and the finished run run again once more trains
     nothing, says so, and leaves the model as it was (before the fix, the large kernels went
-    back to their initial values under the sharded update)."""
-    for kill in [*_KILLS, 2 * N // BATCH]:
+    back to their initial values under the sharded update). Every kill point with the sharded
+    update (where the bug was); one inside an epoch with the others (the suite's time)."""
+    for kill in [*_KILLS, 2 * N // BATCH] if update == "sharded" else _KILLS[:1]:
         directory = tmp_path / f"kill{kill}"
         with pytest.raises(RuntimeError, match="killed"):
             _fit(_model(update), [dtk.CheckpointCallback(directory), _KillAt(kill)])

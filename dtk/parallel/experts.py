@@ -225,9 +225,11 @@ def check_settings(*, num_experts: Any, top_k: Any, capacity_factor: Any,
         raise ValueError(f"{given} is more than the {num_experts} expert(s): each token picks "
                          f"{top_k} different experts; use {name('top_k')} 1, or more experts")
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or \
-            not capacity_factor > 0:
-        raise ValueError(f"{name('capacity_factor')} must be > 0 (slots per expert as a multiple "
-                         f"of an even share; 1.25 is Switch's); got {capacity_factor!r}")
+            not 0 < capacity_factor < math.inf:
+        raise ValueError(f"{name('capacity_factor')} must be a finite number > 0 (slots per "
+                         f"expert as a multiple of an even share; 1.25 is Switch's; "
+                         f"{num_experts / top_k:g} gives every expert room for every choice); "
+                         f"got {capacity_factor!r}")
 
 
 def moe_layers(model: tf_keras.Model) -> list[MixtureOfExperts]:

@@ -283,6 +283,14 @@ def _maker(step_name: str, attr: str) -> Callable:
     """``Model.make_*_function`` for a laid-out model: Keras's step, traced, on packed batches."""
 
     def make(self, force: bool = False):
+        if self.run_eagerly:  # (set as an attribute after compile(), or by
+            # tf.config.run_functions_eagerly(True); compile(run_eagerly=True) is refused there)
+            raise ValueError(
+                f"model.run_eagerly is True for model {self.name!r}: a laid-out model's steps run "
+                "as compiled functions on the mesh (DTensor lays out traced functions), so it "
+                "cannot run them eagerly; set model.run_eagerly = False (and "
+                "tf.config.run_functions_eagerly(False)), or debug the model eagerly on one "
+                "device without dtk.distribute")
         if getattr(self, attr) is not None and not force:
             return getattr(self, attr)
         state = self._dtk_mesh_state  # pylint: disable=protected-access

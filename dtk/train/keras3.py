@@ -143,6 +143,8 @@ def enable_keras_distribution(*, virtual_devices: int | None = None) -> None:
                  "predict_on_batch"):
         _ENABLED[f"tf_keras.{name}"] = getattr(tf_keras.Model, name)
         setattr(tf_keras.Model, name, _keras2_checked(name))
+    _ENABLED["export"] = keras.Model.export
+    keras.Model.export = _export
     _ENABLED["compile"] = tf_trainer.TensorFlowTrainer.compile
     tf_trainer.TensorFlowTrainer.compile = _compile
     for name, position in (("fit", 3), ("evaluate", 3), ("predict", 2)):
@@ -405,11 +407,95 @@ def distribute_model(model_factory, mesh, *, layout="data_parallel", seed: int =
         if not model.built and input_shape is not None:
             model.build((None, *input_shape))
     model._dtk_distribution = distribution  # pylint: disable=protected-access
+    _check_layout_map(model, distribution)  # (built: the table checked before any step)
     _log.info("dtk.distribute: Keras 3 model %r on mesh %s, table %r (keras.distribution)",
               model.name, ",".join(f"{n}={s}" for n, s in zip(device_mesh.axis_names,
                                                              device_mesh.shape)),
               table_map._dtk_table.name)  # pylint: disable=protected-access
     return model
+
+
+def explain(target) -> str:
+    """Where every weight lives: a ``dtk.plan_layouts`` plan (tf_keras,
+    ``dtk.parallel.layouts.explain``), or a Keras 3 model built under a distribution (one row
+    per weight: its path, shape, the LayoutMap key or table rule that laid it out, its sharding
+    and bytes per device; then a one-line summary).
+
+    Raises:
+      TypeError: neither a plan nor a Keras 3 model.
+    """
+    import re  # pylint: disable=g-import-not-at-top
+    from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
+    if isinstance(target, layouts.LayoutPlan):
+        return layouts.explain(target)
+    keras = _ENABLED.get("keras") or _keras()
+    if not isinstance(target, keras.Model):
+        raise TypeError(f"dtk.explain takes a layout plan (dtk.plan_layouts) or a Keras 3 model; "
+                        f"got {type(target).__name__}")
+    distribution = getattr(target, "_dtk_distribution", None) or _distribution()
+    layout_map = getattr(distribution, "_layout_map", None)
+    rules = getattr(layout_map, "_dtk_rules", {})
+    rows = [("weight", "shape", "rule", "sharding", "per device")]
+    total = per_device = sharded = 0
+    sizes = {}
+    for weight in target.weights:
+        layout = getattr(weight, "_dtk_layout", None)
+        specs = list(layout.sharding_specs) if layout is not None else \
+            [dtensor.UNSHARDED] * len(weight.shape)
+        if layout is not None:
+            sizes = {n: layout.mesh.dim_size(n) for n in layout.mesh.dim_names}
+        keys = [k for k in (layout_map or ()) if k == weight.path or re.fullmatch(k, weight.path)]
+        rule = (rules[keys[0]].pattern if keys[0] in rules else keys[0]) if keys else \
+            "(no key: replicated)"
+        nbytes = int(np.prod(weight.shape)) * tf.as_dtype(weight.dtype).size
+        split = int(np.prod([sizes.get(a, 1) for a in specs if a != dtensor.UNSHARDED]))
+        total, per_device = total + nbytes, per_device + nbytes // split
+        sharded += split > 1
+        rows.append((weight.path, str(list(weight.shape)), rule, "[" + ", ".join(specs) + "]",
+                     layouts._bytes(nbytes // split)))  # pylint: disable=protected-access
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    mesh = ",".join(f"{n}={s}" for n, s in sizes.items()) or "one device"
+    table = getattr(getattr(layout_map, "_dtk_table", None), "name", None)
+    source = f"layout table {table!r}" if table else ("LayoutMap" if layout_map is not None
+                                                      else "no LayoutMap")
+    lines = [f"Keras 3 model {target.name!r}, {source}, on mesh {mesh}"]
+    lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    lines.append(f"layouts: {target.name} on {mesh}: {len(rows) - 1} weights ({sharded} "
+                 f"sharded), {layouts._bytes(total)} in all, "  # pylint: disable=protected-access
+                 f"{layouts._bytes(per_device)} per device")  # pylint: disable=protected-access
+    return "\n".join(lines)
+
+
+@tf.autograph.experimental.do_not_convert
+def _export(self, filepath, format="tf_saved_model", *args, **kwargs):  # pylint: disable=redefined-builtin
+    """``Model.export`` of a model on the mesh: a plain twin (``clone_model``, built and given
+    the gathered weights with no distribution in force) is exported, so that the artifact
+    serves on one device with no DTensor in it."""
+    if not _on_mesh(self):
+        return _ENABLED["export"](self, filepath, format, *args, **kwargs)
+    keras = _ENABLED["keras"]
+    from keras.src.distribution import distribution_lib  # pylint: disable=g-import-not-at-top
+    weights = self.get_weights()
+    kept = distribution_lib.distribution()
+    distribution_lib.set_distribution(None)
+    try:
+        try:
+            twin = keras.models.clone_model(self)
+        except Exception as e:  # pylint: disable=broad-except
+            raise ValueError(
+                f"export() of model {self.name!r} on the mesh: dtk exports a plain copy, and "
+                f"Keras could not clone this model ({type(e).__name__}: {e}); give the "
+                "subclassed model get_config(), or save_weights() and export a plain build "
+                "loaded with them") from None
+        if not twin.built:
+            raise ValueError(
+                f"export() of model {self.name!r} on the mesh: its plain copy is not built "
+                "(a subclassed model builds on its first call); save_weights() and export a "
+                "plain build loaded with them")
+        twin.set_weights(weights)
+        return _ENABLED["export"](twin, filepath, format, *args, **kwargs)
+    finally:
+        distribution_lib.set_distribution(kept)
 
 
 # -- variables ------------------------------------------------------------------------------------
@@ -728,7 +814,7 @@ def _scope_of(model):
     model, not global), in force while Keras works on the model: its optimizer's slots and a
     subclassed model's weights, made inside the first step, are laid out by it."""
     distribution = getattr(model, "_dtk_distribution", None)
-    if distribution is None or _distribution() is not None:
+    if distribution is None or _distribution() is distribution:
         yield
         return
     with distribution.scope():
