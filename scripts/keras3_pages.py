@@ -42,7 +42,7 @@ def main() -> int:
         stamp = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda b, logs: stamps.append(time.perf_counter()))
         harness._run(name, shape)  # pylint: disable=protected-access  (traces)
-        _, history, _, weights = harness._run(name, shape, callbacks=[stamp])  # pylint: disable=protected-access
+        _, history, _, weights = harness._run(name, shape, callbacks=[stamp], prebuild=False)  # pylint: disable=protected-access
         steps = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
         return history, weights, statistics.median(steps)
 

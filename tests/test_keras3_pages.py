@@ -33,7 +33,7 @@ def _distribution(page, shape):
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
-def _run(name, shape=None, callbacks=()):
+def _run(name, shape=None, callbacks=(), prebuild=None):
     """The page's build and fit (and predict), under a distribution on ``shape`` or plain.
     With ``callbacks`` (BackupAndRestore), a subclassed model is built by a call first, as
     Keras's BackupAndRestore requires."""
@@ -43,7 +43,7 @@ def _run(name, shape=None, callbacks=()):
         keras.utils.set_random_seed(0)
         model = page.build()
         fit = page.fit()
-        if callbacks and not model.built:
+        if (bool(callbacks) if prebuild is None else prebuild) and not model.built:
             model(keras3_pages.predict_input(fit))
         fit["callbacks"] = [*fit.get("callbacks", []), *callbacks]
         history = model.fit(**fit, shuffle=False, verbose=0).history
