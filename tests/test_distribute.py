@@ -307,7 +307,7 @@ def test_a_keras_3_factory_takes_keras_3s_own_distribution():
     assert isinstance(model, keras3.Model)
     assert isinstance(model._dtk_distribution, keras3.distribution.ModelParallel)  # pylint: disable=protected-access
     assert keras3.distribution.distribution() is None
-    with pytest.raises(ValueError, match=r"remat=\('d1',\) with a Keras 3 model"):
+    with pytest.raises(ValueError, match=r"distribute\(remat=\('d1',\)\) with a Keras 3 model"):
         dtk.distribute(lambda: keras3.Sequential([keras3.layers.Dense(1)]),
                        dtk.build_mesh("batch=8"), remat=["d1"])
 
