@@ -89,18 +89,8 @@ def test_extract_patches_equals_tensorflow(size, patch, stride, rate, padding):
         np.add.at(flat, source[keep].astype(np.int64) - 1,
                   3.0 * want.numpy().astype(np.float64)[keep] ** 2)
         reference = flat.reshape(x.shape)
-    try:
-        got_gradient = tape.gradient(loss_got, x)
-    except tf.errors.InvalidArgumentError as e:
-        if "dilation rates larger than 1" not in str(e):
-            raise
-        # Found 2026-11-28: dtk's equivalent differentiates through a dilated convolution, whose
-        # CPU kernel some machines lack; its values hold (checked above), its gradient for
-        # rate > 1 needs another formulation (open).
-        pytest.xfail(f"rate {rate}: TensorFlow has no dilated Conv2DBackpropInput kernel on this "
-                     "CPU (its own ExtractImagePatches gradient fails the same way); the values "
-                     "are checked, the gradient needs a formulation without that kernel")
-    np.testing.assert_allclose(got_gradient, reference, rtol=1e-6, atol=1e-6)
+    # (dtk's rates > 1 are taps in an undilated kernel: no dilated gradient kernel needed)
+    np.testing.assert_allclose(tape.gradient(loss_got, x), reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("lengths, inputs, repeat", [

@@ -285,9 +285,12 @@ def extract_patches(images, sizes, strides, rates, padding, name=None):
     Non-overlapping patches (``sizes == strides``, ``rates`` 1, ``"VALID"``: the ViT and
     MLP-Mixer pages) are a reshape and transpose. Otherwise a convolution whose one-hot kernel
     copies input ``(i, j, c)`` of each window to output channel ``(i * kw + j) * C + c`` (the op's
-    order), with the op's strides, rates and padding: each output is one input times 1 plus
-    zeros, exact (a NaN or inf input spreads to its window's other outputs, where the op keeps
-    it in place).
+    order), with the op's strides and padding: each output is one input times 1 plus zeros,
+    exact (a NaN or inf input spreads to its window's other outputs, where the op keeps it in
+    place). Rates > 1 are written into the kernel (taps ``rate`` apart in a kernel of the
+    dilated window's size), not given as the convolution's dilation: the same values and
+    padding, and a gradient without a dilated ``Conv2DBackpropInput``, which TensorFlow's CPU
+    kernels lack ("dilation rates larger than 1").
     """
     del name
     kh, kw = int(sizes[1]), int(sizes[2])
@@ -301,15 +304,15 @@ def extract_patches(images, sizes, strides, rates, padding, name=None):
         x = tf.transpose(x, [0, 1, 3, 2, 4, 5])
         return tf.reshape(x, [-1, oh, ow, kh * kw * channels])
     depth = kh * kw * channels
-    kernel = np.zeros((kh, kw, channels, depth), np.float32)
+    kernel = np.zeros(((kh - 1) * rh + 1, (kw - 1) * rw + 1, channels, depth), np.float32)
     for i in range(kh):
         for j in range(kw):
             for c in range(channels):
-                kernel[i, j, c, (i * kw + j) * channels + c] = 1.0
+                kernel[i * rh, j * rw, c, (i * kw + j) * channels + c] = 1.0
     dtype = images.dtype
     x = images if dtype.is_floating else tf.cast(images, tf.float32)
     out = tf.nn.conv2d(x, tf.constant(kernel, x.dtype), strides=[1, sh, sw, 1],
-                       padding=padding.upper(), dilations=[1, rh, rw, 1])
+                       padding=padding.upper())
     return out if dtype.is_floating else tf.cast(out, dtype)
 
 
