@@ -13,11 +13,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtk import _env
+from dtk import _env, _import_hooks
 from dtk._version import __version__
 
 _env.apply_safe_defaults()
 _env.apply_library_log_defaults()
+
+
+def _bind_custom_loop_metrics(metrics_utils) -> None:
+    from dtk.train import custom_loops  # TensorFlow is loaded by now (tf_keras imports it)
+    custom_loops.install_metric_hook(metrics_utils)
+
+
+# A custom training loop's own metric objects are moved onto the mesh at their first update on it
+# (dtk.train.custom_loops); tf_keras wraps update_state when a metric is made, so dtk's wrapper
+# goes in as tf_keras loads.
+_import_hooks.when_imported("tf_keras.src.utils.metrics_utils", _bind_custom_loop_metrics)
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -51,6 +51,7 @@ from dtk.keras_check import Keras3Model, require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
+from dtk.train import custom_loops
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 from dtk.train.steps import auto_shard_optimizer_state, update_layout
@@ -206,6 +207,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     """Makes a laid-out model's ``compile``, ``fit``, ``evaluate`` and ``predict`` run on ``mesh``
     (see the module docstring); ``distribute`` calls it. Returns ``model``."""
     require_keras2(model, "model")
+    custom_loops.install()
     state = MeshState(mesh, batch_axis)
     state.generator = randomness.step_generator(model, seed=seed)
     object.__setattr__(model, "_dtk_mesh_state", state)
@@ -400,7 +402,9 @@ def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
     """Lets the model and the models inside it be called eagerly on host values (a callback's
     ``self.model.generator(noise)``, keras.io's GANMonitor; ``model(x)`` in a notebook): the
     inputs are copied to the mesh, replicated, and the output is a replicated DTensor that
-    ``.numpy()`` reads. Inside dtk's compiled steps the inputs are already on the mesh."""
+    ``.numpy()`` reads. Inside dtk's compiled steps the inputs are already on the mesh. A call
+    in a trace marks the graph as on the mesh (``custom_loops.mark_graph``: a user's metric
+    updated there is moved onto it)."""
     models = [model] + [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
                         if isinstance(layer, tf_keras.Model)]
     for each in models:
@@ -412,6 +416,8 @@ def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
                     lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(
                         mesh, t.shape.rank)) if tf.is_tensor(t) and not dtensor.is_dtensor(t)
                     else t, inputs)
+            else:
+                custom_loops.mark_graph(mesh)
             return __call(inputs, *args, **kwargs)
 
         each.call = call
@@ -498,18 +504,30 @@ def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh,
         if steps is not None and steps.shape == () and int(steps):
             raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "
                              "mesh; compile the laid-out model with a new optimizer")
-        config = value.get_config()
-        config.pop("is_legacy_optimizer", None)
-        if isinstance(config.get("learning_rate"), dict):
-            config["learning_rate"] = tf_keras.optimizers.schedules.deserialize(
-                config["learning_rate"])
-        bound = type(value)(**config, mesh=mesh)
         name = "optimizer" if attr == "_optimizer" else attr
-        setattr(model, name, bound)
+        setattr(model, name, bound_copy(value, mesh))
     for value in list(vars(model).values()):
         if isinstance(value, tf_keras.optimizers.Optimizer):
-            keep_ema_on_mesh(value)
-            _mesh_updates(value, sharded)
+            prepare_bound_optimizer(value, sharded)
+
+
+def bound_copy(optimizer: tf_keras.optimizers.Optimizer, mesh: dtensor.Mesh
+               ) -> tf_keras.optimizers.Optimizer:
+    """A new optimizer of ``optimizer``'s class and config, bound to ``mesh``."""
+    config = optimizer.get_config()
+    config.pop("is_legacy_optimizer", None)
+    if isinstance(config.get("learning_rate"), dict):
+        config["learning_rate"] = tf_keras.optimizers.schedules.deserialize(
+            config["learning_rate"])
+    return type(optimizer)(**config, mesh=mesh)
+
+
+def prepare_bound_optimizer(optimizer: tf_keras.optimizers.Optimizer,
+                            sharded: _ShardedUpdate | None = None) -> None:
+    """An optimizer bound to the mesh, made to update laid-out weights as dtk does: its EMA
+    kept on the mesh, sparse gradients applied dense, the sharded update (``_mesh_updates``)."""
+    keep_ema_on_mesh(optimizer)
+    _mesh_updates(optimizer, sharded)
 
 
 def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,

@@ -881,27 +881,49 @@ def _model_distribution(model):
     return distribution
 
 
-def batches_on_mesh(data: Any):
+def batches_on_mesh(data: Any, on: Any = None):
     """The batches of ``data`` (a batched ``tf.data.Dataset`` or any iterable of batches) laid
-    out over the active distribution's batch axis, for a custom training loop.
+    out over a mesh's batch axis, for a custom training loop.
 
     A ``tf.function`` on the mesh takes DTensors only; keras.io's "Writing a training loop from
-    scratch" runs as written with one change, ``for x, y in dtk.batches_on_mesh(dataset)``. Each
-    batch is split over the batch axis by dtk's packer (a last partial batch is replicated: the
-    same numbers). With several processes and ``auto_shard_dataset``, pass the dataset through
-    ``distribution.distribute_dataset`` first, as Keras's ``fit`` does.
+    scratch" runs as written with one change, ``for x, y in dtk.batches_on_mesh(dataset,
+    model)``. Each batch is split over the batch axis by dtk's packer (a last partial batch is
+    replicated: the same numbers).
+
+    Args:
+      data: the batches.
+      on: a ``dtk.distribute`` model (tf_keras or Keras 3) or a mesh (batch axis ``"batch"``);
+        None: the active Keras 3 distribution. With several processes and Keras 3's
+        ``auto_shard_dataset``, pass the dataset through ``distribution.distribute_dataset``
+        first, as Keras's ``fit`` does.
 
     Raises:
-      ValueError: no distribution is set.
+      ValueError: no ``on`` and no distribution set; ``on`` neither a laid-out model nor a mesh.
     """
-    distribution = _distribution()
-    if distribution is None:
-        raise ValueError("dtk.batches_on_mesh(...): no keras.distribution distribution is set; "
-                         "call keras.distribution.set_distribution(...) first")
-    state = _mesh_state(distribution)
-    local = _per_process(distribution)
-    for batch in data:
-        yield state.pack(batch, local=local)
+    local = False
+    if on is None:
+        distribution = _distribution()
+        if distribution is None:
+            raise ValueError(
+                "dtk.batches_on_mesh(data): no mesh to lay the batches out on: pass the "
+                "dtk.distribute model (dtk.batches_on_mesh(data, model)) or a mesh, or set a "
+                "keras.distribution distribution first")
+        state = _mesh_state(distribution)
+        local = _per_process(distribution)
+    elif getattr(on, "_dtk_mesh_state", None) is not None:  # dtk.distribute, tf_keras
+        state = on._dtk_mesh_state  # pylint: disable=protected-access
+    elif getattr(on, "_dtk_distribution", None) is not None:  # dtk.distribute, Keras 3
+        distribution = on._dtk_distribution  # pylint: disable=protected-access
+        state, local = _mesh_state(distribution), _per_process(distribution)
+    elif isinstance(on, dtensor.Mesh):
+        from dtk.parallel.mesh import BATCH_AXIS, check_batch_axis  # pylint: disable=g-import-not-at-top
+        check_batch_axis(on, BATCH_AXIS, what="dtk.batches_on_mesh(data, mesh)")
+        state = _state_for(on, BATCH_AXIS)
+    else:
+        raise ValueError(
+            f"dtk.batches_on_mesh(data, on={type(on).__name__}): on must be a model made by "
+            "dtk.distribute or a dtensor.Mesh (dtk.build_mesh)")
+    return (state.pack(batch, local=local) for batch in data)  # (the checks above: now)
 
 
 def _per_process(distribution) -> bool:
