@@ -30,6 +30,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk.train import mesh_calls
+
 _installed = False
 _HOST_TENSOR = re.compile(r"got a regular tensor for input (\d+) \(shape (\[[^\]]*\])\) but was "
                           r"expecting a DTensor")
@@ -60,6 +62,7 @@ def install_metric_hook(metrics_utils: Any) -> None:
     def update_state_wrapper(update_state_fn):
         keras_decorated = keras_wrapper(update_state_fn)
 
+        @tf.autograph.experimental.do_not_convert  # Python glue, run as written
         def decorated(metric_obj, *args, **kwargs):
             if _installed:  # a laid-out model exists
                 mesh = _mesh_in_use(args, kwargs)
@@ -72,11 +75,13 @@ def install_metric_hook(metrics_utils: Any) -> None:
     metrics_utils.update_state_wrapper = update_state_wrapper
 
 
+@tf.autograph.experimental.do_not_convert  # Python glue, run as written
 def mark_graph(mesh: dtensor.Mesh) -> None:
     """Records, on the graph being traced, that a laid-out model runs in it on ``mesh``: a metric
     updated there is moved onto that mesh (the tensors of a trace carry no layout yet)."""
     if not tf.executing_eagerly():
         tf.compat.v1.get_default_graph()._dtk_mesh = mesh  # pylint: disable=protected-access
+        mesh_calls.constants_on_mesh(mesh)  # host constants the user's code captures
 
 
 def _storage(variable: Any) -> Any:
@@ -104,6 +109,7 @@ def _bind_optimizers_at_first_apply() -> None:
     keras_apply = optimizer_cls.apply_gradients
 
     @functools.wraps(keras_apply)
+    @tf.autograph.experimental.do_not_convert  # Python glue, run as written
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         if getattr(self, "_mesh", None) is None and not getattr(self, "_run_with_dtensor", False):
             grads_and_vars = list(grads_and_vars)
@@ -116,6 +122,7 @@ def _bind_optimizers_at_first_apply() -> None:
     optimizer_cls.apply_gradients = apply_gradients
 
 
+@tf.autograph.experimental.do_not_convert  # Python glue, run as written
 def bind_optimizer_in_place(optimizer: tf_keras.optimizers.Optimizer,
                             mesh: dtensor.Mesh) -> None:
     """``optimizer`` made again from its config with ``mesh=``, in place (its state is made on
@@ -157,6 +164,7 @@ def _mesh_in_use(args, kwargs) -> dtensor.Mesh | None:
     return None
 
 
+@tf.autograph.experimental.do_not_convert  # Python glue, run as written
 def bind_metric_in_place(metric: tf_keras.metrics.Metric, mesh: dtensor.Mesh) -> None:
     """Moves the variables of ``metric`` (and the metrics inside it) that are off the mesh onto
     it, replicated, with their values: the metric then counts each example once."""

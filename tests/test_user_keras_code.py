@@ -178,3 +178,60 @@ def test_an_optimizer_that_stepped_off_the_mesh_is_refused_and_a_new_one_bound()
 def test_batches_on_mesh_bad_targets(on, message):
     with pytest.raises(ValueError, match=message):
         dtk.batches_on_mesh([np.zeros((8, 4))], on)
+
+
+# --- Tensors made when the model is built and used in a step -------------------------------
+
+class _OrthogonalRegularizer(tf_keras.regularizers.Regularizer):
+    """keras.io's PointNet: ``tf.eye`` made once, on the host, used in every step."""
+
+    def __init__(self, num_features, l2reg=0.001):
+        self.num_features, self.l2reg = num_features, l2reg
+        self.eye = tf.eye(num_features)
+
+    def __call__(self, x):
+        x = tf.reshape(x, (-1, self.num_features, self.num_features))
+        xxt = tf.tensordot(x, x, axes=(2, 2))
+        xxt = tf.reshape(xxt, (-1, self.num_features, self.num_features))
+        return tf.reduce_sum(self.l2reg * tf.square(xxt - self.eye))
+
+
+class _ScaledBy(tf_keras.layers.Layer):
+    """A layer that keeps a numpy array and a host tensor and uses both in ``call``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = tf.constant(np.linspace(0.5, 1.5, 16, dtype=np.float32))
+        self.shift = np.full((16,), 0.1, np.float32)
+
+    def call(self, x):
+        return x * self.scale + self.shift
+
+
+def _captures_model():
+    return tf_keras.Sequential([
+        tf_keras.Input((12,)),
+        tf_keras.layers.Dense(16, activity_regularizer=_OrthogonalRegularizer(4), name="d1"),
+        _ScaledBy(name="scaled"),
+        tf_keras.layers.Dense(2, name="d2")])
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_host_constants_captured_by_a_regularizer_and_a_layer_reach_the_step_on_the_mesh(spec):
+    """The first step failed on every mesh: "got a regular tensor for input 5 (shape [3,3])"."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(72, 12)).astype("float32")  # 72 = 4 x 16 + 8: a last partial batch
+    y = rng.integers(0, 2, 72)
+
+    def run(model):
+        model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        return history.history["loss"], model.evaluate(x, y, batch_size=24, verbose=0)
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(_captures_model())
+    model = dtk.distribute(_captures_model, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                           allow_replicated=True)
+    got = run(model)
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    np.testing.assert_allclose(got[1], want[1], **TOL)
