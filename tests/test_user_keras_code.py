@@ -235,3 +235,64 @@ def test_host_constants_captured_by_a_regularizer_and_a_layer_reach_the_step_on_
     got = run(model)
     np.testing.assert_allclose(got[0], want[0], **TOL)
     np.testing.assert_allclose(got[1], want[1], **TOL)
+
+
+# --- Stateful random ops in a user's layer ---------------------------------------------------
+
+class _CustomDropout(tf_keras.layers.Layer):
+    """keras.io's subclassing guide: ``tf.nn.dropout`` in ``call``."""
+
+    def __init__(self, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = rate
+
+    def call(self, inputs, training=None):
+        if training:
+            return tf.nn.dropout(inputs, rate=self.rate)
+        return inputs
+
+
+class _Jitter(tf_keras.layers.Layer):
+    """``tf.random.normal`` in ``call``, and a draw DTensor cannot run."""
+
+    def __init__(self, categorical=False, **kwargs):
+        super().__init__(**kwargs)
+        self.categorical = categorical
+
+    def call(self, inputs, training=None):
+        if not training:
+            return inputs
+        if self.categorical:
+            logits = tf.zeros([tf.shape(inputs)[0], 3])
+            return inputs + tf.cast(tf.random.categorical(logits, 1), inputs.dtype)
+        return inputs + 0.1 * tf.random.normal(tf.shape(inputs))
+
+
+def _random_model(categorical=False):
+    return tf_keras.Sequential([
+        tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+        _CustomDropout(0.5, name="my_dropout"), _Jitter(categorical, name="jitter"),
+        tf_keras.layers.Dense(2, name="d2")])
+
+
+def _fit_random(spec, factory):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 2, 64)
+    model = dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                           allow_replicated=True)
+    model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model.fit(x, y, batch_size=16, epochs=2, verbose=0).history["loss"]
+
+
+def test_tf_nn_dropout_and_tf_random_in_a_layer_draw_the_same_on_every_mesh():
+    """DTensor's "Stateful random operations are not supported" before; dtk's draws now."""
+    want = _fit_random("batch=1", _random_model)
+    for spec in MESHES[1:]:
+        np.testing.assert_allclose(_fit_random(spec, _random_model), want, **TOL)
+
+
+def test_a_random_op_dtensor_cannot_run_is_refused_with_its_layer():
+    with pytest.raises(ValueError, match=r"random op\(s\) Multinomial in op scope "
+                       r"'[^']*jitter[^']*'.*tf.nn.dropout or Keras's random layers"):
+        _fit_random("batch=8", lambda: _random_model(categorical=True))

@@ -11,7 +11,8 @@ implement layout propagation``) that names no layer. dtk keeps the table of such
 - or a **refusal before the first step**, naming the layer, the op and what to do
   (``check_layers``), where no equivalent exists.
 
-A failure that still reaches DTensor is mapped back to the op and the layer by ``explain_failure``.
+A failure that still reaches DTensor (a user's layer calling an op outside the table) is mapped
+back to the op and the layer's name scope by ``explain_failure``, as one line with the fix.
 """
 
 from __future__ import annotations
@@ -105,6 +106,25 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
 )}
 
 _PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
+_STATEFUL_RANDOM = "Stateful random operations are not supported"
+
+
+def _scopes(graph: Any, match) -> list[str]:
+    """The name scopes of ``graph``'s ops that ``match`` (their layer's path), gradients' shown
+    as the forward scope they belong to."""
+    found = []
+    for op in graph.get_operations():
+        if match(op):
+            scope = op.name.rsplit("/", 1)[0] if "/" in op.name else op.name
+            scope = scope.removeprefix("gradient_tape/")
+            if scope not in found:
+                found.append(scope)
+    return found
+
+
+def _shown(scopes: list[str]) -> str:
+    return "op scope " + ", ".join(repr(s) for s in scopes[:3]) + (" ..." if len(scopes) > 3
+                                                                  else "")
 
 
 # -- equivalents ----------------------------------------------------------------------------------
@@ -982,24 +1002,53 @@ def _op_of(layer_class: str) -> str:
     return "?"
 
 
-def explain_failure(message: str, model: Any = None) -> str | None:
-    """One line for a step failure on an op DTensor cannot lay out (else None): the op, the
-    layers of the model that use it, and what to do."""
+def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str | None:
+    """DTensor's refusal of a step (an MLIR dump naming an op, or "Stateful random operations
+    are not supported", naming nothing) as one line: the op, the layers that use it (from the
+    model's layer classes and names, and the name scopes of the ops in the traced ``graph``) and
+    what to do; None for other errors. DTensor refuses when it expands the step, before the step
+    runs: nothing has trained.
+
+    Args:
+      message: the error or its text.
+      model: the model, whose layers are named.
+      graph: the traced step's graph, whose ops' name scopes hold the layer paths.
+    """
+    from dtk.parallel import randomness  # pylint: disable=g-import-not-at-top
+    message = str(getattr(message, "message", message))
     found = _PROPAGATION.search(message)
-    if not found:
-        return None
-    op = found.group(1)
-    known = UNSUPPORTED_OPS.get(op)
-    layers = []
-    if model is not None:
-        classes = set(known.layers) if known else set()
-        scoped = {layer.name for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-                  if layer.name and re.search(rf"\b{re.escape(layer.name)}/", message)}
-        layers = [f"{layer.name!r} ({type(layer).__name__})"
-                  for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
-                  if type(layer).__name__ in classes or layer.name in scoped]
-    where = f" used by layer {', '.join(layers[:3])}" if layers else ""
-    return (f"TensorFlow op {op}{where} has no DTensor layout propagation, so this model cannot "
-            "run on a DTensor mesh as it is; replace the layer by one dtk supports (see "
-            "dtk.parallel.ops.UNSUPPORTED_OPS) or report the layer to dtk")
+    if found and randomness.is_random_op(found.group(1)):
+        scopes = _scopes(graph, lambda o: o.type == found.group(1)) if graph is not None else []
+        return _random_refusal([found.group(1)], scopes)
+    if found:
+        op = found.group(1)
+        known = UNSUPPORTED_OPS.get(op)
+        layers = []
+        if model is not None:
+            classes = set(known.layers) if known else set()
+            scoped = {layer.name for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                      if layer.name and re.search(rf"\b{re.escape(layer.name)}/", message)}
+            layers = [f"{layer.name!r} ({type(layer).__name__})"
+                      for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+                      if type(layer).__name__ in classes or layer.name in scoped]
+        scopes = _scopes(graph, lambda o: o.type == op) if graph is not None else []
+        where = (f" used by layer {', '.join(layers[:3])}" if layers else
+                 f" used in {_shown(scopes)}" if scopes else "")
+        return (f"TensorFlow op {op}{where} has no DTensor layout propagation, so this model "
+                "cannot run on a DTensor mesh as it is; compute it in the input pipeline, on the "
+                "host, before the batch is laid out, or replace the layer by one dtk supports "
+                "(see dtk.parallel.ops.UNSUPPORTED_OPS)")
+    if _STATEFUL_RANDOM in message:
+        uncovered = randomness.uncovered_random_ops(graph) if graph is not None else {}
+        return _random_refusal(sorted({t for types_ in uncovered.values() for t in types_}),
+                               sorted(uncovered))
+    return None
+
+
+def _random_refusal(kinds: list[str], scopes: list[str]) -> str:
+    where = f" in {_shown(scopes)}" if scopes else ""
+    return (f"random op(s) {', '.join(kinds)}{where}: DTensor cannot run them on a mesh (a "
+            "stateful draw, or one it cannot lay out); draw with tf.random.uniform / normal / "
+            "truncated_normal, tf.nn.dropout or Keras's random layers (dtk draws those the same "
+            "on every mesh), or draw on the host, in the input pipeline")
 

@@ -398,7 +398,8 @@ _TF_DRAWS = {"normal": "random_normal", "uniform": "random_uniform",
 
 
 def _install_tf_draws() -> None:
-    """Routes ``tf.random.normal / uniform / truncated_normal`` to the innermost generator of
+    """Routes ``tf.random.normal / uniform / truncated_normal`` and ``tf.nn.dropout`` to the
+    innermost generator of
     ``_state.backend`` (a user layer's, else the step's: ``step_draws``) while a step scope is
     active; TensorFlow's own function otherwise, and for what dtk cannot draw (integer values,
     a dynamic shape), where Keras's generator draws."""
@@ -426,6 +427,23 @@ def _install_tf_draws() -> None:
 
         wrapped._dtk = True  # pylint: disable=protected-access
         setattr(tf.random, name, wrapped)
+    if not getattr(tf.nn.dropout, "_dtk", False):  # keras.io's subclassing guide's own dropout
+        original = tf.nn.dropout
+
+        def dropout(x, rate, noise_shape=None, seed=None, name=None, __original=original):
+            if not _state.backend or _state.step is None or _state.routing:
+                return __original(x, rate, noise_shape=noise_shape, seed=seed, name=name)
+            generator = _state.backend[-1]
+            saved, generator._seed = generator._seed, seed  # pylint: disable=protected-access
+            _state.routing += 1
+            try:
+                return generator.dropout(tf.convert_to_tensor(x), rate, noise_shape)
+            finally:
+                _state.routing -= 1
+                generator._seed = saved  # pylint: disable=protected-access
+
+        dropout._dtk = True  # pylint: disable=protected-access
+        tf.nn.dropout = dropout
 
 
 def step_generator(model: tf_keras.Model, *, seed: int) -> "IndexedRandomGenerator":

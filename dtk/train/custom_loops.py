@@ -27,10 +27,8 @@ import re
 from typing import Any
 
 import tensorflow as tf
-import tf_keras
+import tf_keras  # (partly loaded when dtk._import_hooks installs the metric hook: no names read)
 from tensorflow.experimental import dtensor
-
-from dtk.train import mesh_calls
 
 _installed = False
 _HOST_TENSOR = re.compile(r"got a regular tensor for input (\d+) \(shape (\[[^\]]*\])\) but was "
@@ -81,6 +79,7 @@ def mark_graph(mesh: dtensor.Mesh) -> None:
     updated there is moved onto that mesh (the tensors of a trace carry no layout yet)."""
     if not tf.executing_eagerly():
         tf.compat.v1.get_default_graph()._dtk_mesh = mesh  # pylint: disable=protected-access
+        from dtk.train import mesh_calls  # pylint: disable=g-import-not-at-top
         mesh_calls.constants_on_mesh(mesh)  # host constants the user's code captures
 
 

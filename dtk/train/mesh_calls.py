@@ -23,7 +23,12 @@ from tensorflow.experimental import dtensor
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from dtk.data.input import pack
+from dtk.parallel import ops
 from dtk.keras_check import require_keras2
+
+
+_DTENSOR_REFUSALS = (tf.errors.UnknownError, tf.errors.UnimplementedError,
+                     tf.errors.InvalidArgumentError, tf.errors.InternalError)
 
 
 class MeshState:
@@ -286,7 +291,14 @@ class MeshCalls:
             # made on the mesh, replicated: one not on it computes wrong values there. (Only
             # then: the scope costs about a millisecond a call.)
             with dtensor.default_mesh(state.mesh):
-                outputs = self.traced(batch)
+                try:
+                    outputs = self.traced(batch)
+                except _DTENSOR_REFUSALS as e:  # DTensor expands the step before it runs
+                    message = ops.explain_failure(e, graph=self.traced.get_concrete_function(
+                        batch).graph)
+                    if message is None:
+                        raise
+                    raise ValueError(message) from None
             self._fresh = False
             self._remember_layouts(outputs)
         return outputs
