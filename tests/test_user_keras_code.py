@@ -296,3 +296,42 @@ def test_a_random_op_dtensor_cannot_run_is_refused_with_its_layer():
     with pytest.raises(ValueError, match=r"random op\(s\) Multinomial in op scope "
                        r"'[^']*jitter[^']*'.*tf.nn.dropout or Keras's random layers"):
         _fit_random("batch=8", lambda: _random_model(categorical=True))
+
+
+# --- Ops whose gradient breaks on a sharded batch -------------------------------------------
+
+class _Router(tf_keras.layers.Layer):
+    """A Switch Transformer's router: the top-2 experts' probabilities scale the features."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = tf_keras.layers.Dense(4, name="gate")
+
+    def call(self, x):
+        top = tf.math.top_k(tf.nn.softmax(self.gate(x)), k=2)
+        chosen = tf.cast(top.indices[:, :1], x.dtype)
+        return x * top.values[:, :1] + 0.5 * x * top.values[:, 1:] + chosen
+
+
+def _router_model():
+    return tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+                                _Router(name="router"), tf_keras.layers.Dense(2, name="d2")])
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_top_k_in_a_router_trains_on_a_sharded_batch(spec):
+    """``tf.math.top_k``'s gradient on ``batch=8``: "ScatterNd: indices[15] = [63] does not
+    index into shape [8]" before."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 2, 64)
+
+    def run(model):
+        model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0).history["loss"]
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(_router_model())
+    got = run(dtk.distribute(_router_model, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                             allow_replicated=True))
+    np.testing.assert_allclose(got, want, **TOL)

@@ -383,6 +383,33 @@ def ctc_batch_cost(y_true, y_pred, input_length, label_length):
     return tf.expand_dims(loss, 1)
 
 
+_TF_TOP_K = tf.math.top_k  # TensorFlow's, before dtk's wrapper (below) takes the names
+
+
+def top_k(input, k=1, sorted=True, index_type=tf.int32, name=None):  # pylint: disable=redefined-builtin
+    """``tf.math.top_k`` with a gradient DTensor can lay out: TensorFlow's forward values and
+    indices, and the values' gradient put back at their positions as a one-hot product summed
+    over the k choices (exact: one nonzero term per position). TensorFlow's own gradient
+    scatters into the flattened input with global indices, which on a batch sharded over a mesh
+    axis index past each device's shard ("ScatterNd: indices[15] = [63] does not index into shape
+    [8]"; a Switch Transformer's router)."""
+    x = tf.convert_to_tensor(input)
+
+    @tf.custom_gradient
+    def values_and_indices(x):
+        result = _TF_TOP_K(x, k=k, sorted=sorted, index_type=index_type, name=name)
+
+        def grad(d_values, d_indices=None):  # pylint: disable=unused-argument
+            n = x.shape[-1] if x.shape[-1] is not None else tf.shape(x)[-1]
+            hit = tf.one_hot(result.indices, n, dtype=d_values.dtype)  # [..., k, n]
+            return tf.reduce_sum(hit * tf.expand_dims(d_values, -1), -2)
+
+        return (result.values, result.indices), grad
+
+    values, indices = values_and_indices(x)
+    return type(_TF_TOP_K(tf.zeros([1, 1]), k=1))(values, indices)
+
+
 class _DuringSteps:
     """Replaces ``tf.<module>.<name>`` (``tf.image.extract_patches``) while dtk traces a step
     on the mesh (``during_steps``), for user code that calls it itself (a keras.io page's own
@@ -414,6 +441,7 @@ def _keras_backends() -> tuple[Any, ...]:
 
 
 _DURING_STEPS = (_DuringSteps(tf.image, "extract_patches", extract_patches),
+                 _DuringSteps(tf.math, "top_k", top_k), _DuringSteps(tf.nn, "top_k", top_k),
                  *(_DuringSteps(module, "ctc_batch_cost", ctc_batch_cost)
                    for module in _keras_backends()))
 
