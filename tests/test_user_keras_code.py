@@ -335,3 +335,94 @@ def test_top_k_in_a_router_trains_on_a_sharded_batch(spec):
     got = run(dtk.distribute(_router_model, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
                              allow_replicated=True))
     np.testing.assert_allclose(got, want, **TOL)
+
+
+# --- Subclassed models, built the ways keras.io builds them -----------------------------------
+
+class _HoldsSequential(tf_keras.Model):
+    """An unbuilt ``keras.Sequential`` inside (no input shape): built by dtk's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tf_keras.Sequential([tf_keras.layers.Dense(16, activation="relu"),
+                                         tf_keras.layers.Dense(8)])
+        self.head = tf_keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+
+class _Tokens(tf_keras.Model):
+    """Integer inputs, an Embedding and a BatchNormalization."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = tf_keras.layers.Embedding(50, 8)
+        self.norm = tf_keras.layers.BatchNormalization()
+        self.head = tf_keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.head(tf.reduce_mean(self.norm(self.embed(x)), 1))
+
+
+class _TwoInputs(tf_keras.Model):
+    """Dict inputs of two dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = tf_keras.layers.Dense(8)
+        self.head = tf_keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.a(inputs["a"]) + tf.cast(inputs["b"], tf.float32))
+
+
+def _called(cls, example):
+    def factory():
+        model = cls()
+        model(example)  # built by a call on a batch, in the factory
+        return model
+    return factory
+
+
+def _built(cls, shape):
+    def factory():
+        model = cls()
+        model.build(shape)
+        return model
+    return factory
+
+
+_RNG = np.random.default_rng(0)
+SUBCLASSED = {
+    "holds_unbuilt_sequential": (_HoldsSequential, {"input_shape": (12,)},
+                                 _RNG.normal(size=(32, 12)).astype("float32")),
+    "called_on_int_batch": (_called(_Tokens, tf.zeros((1, 10), tf.int32)), {},
+                            _RNG.integers(0, 50, (32, 10))),
+    "build_input_shape": (_built(_Tokens, (None, 10)), {}, _RNG.integers(0, 50, (32, 10))),
+    "input_shape_and_dtype": (_Tokens, {"input_shape": (10,), "input_dtype": "int32"},
+                              _RNG.integers(0, 50, (32, 10))),
+    "called_on_dict_batch": (_called(_TwoInputs, {"a": tf.zeros((1, 12)),
+                                                  "b": tf.zeros((1, 8), tf.int32)}), {},
+                             {"a": _RNG.normal(size=(32, 12)).astype("float32"),
+                              "b": _RNG.integers(0, 3, (32, 8)).astype("int32")}),
+}
+
+
+@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("case", sorted(SUBCLASSED))
+def test_subclassed_models_built_as_keras_io_builds_them(case, spec):
+    """Before: "Weights for model 'sequential' have not yet been created"; a model the factory
+    built by a call was called again on float32 ``(None,) + shape``."""
+    factory, kwargs, x = SUBCLASSED[case]
+    y = np.random.default_rng(1).integers(0, 2, 32)
+
+    def run(model):
+        model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0).history["loss"]
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(factory())
+    got = run(dtk.distribute(factory, dtk.build_mesh(spec), seed=0, allow_replicated=True,
+                             **kwargs))
+    np.testing.assert_allclose(got, want, **TOL)

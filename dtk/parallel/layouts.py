@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from dtk import _env
 from dtk.parallel import experts, materialize, ops as op_support, randomness, sequence
@@ -582,7 +583,7 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
         raise TypeError(f"model_factory must return a tf_keras.Model; it returned "
                         f"{type(model).__name__}: {str(model)[:80]!r}. Return the model from the "
                         "factory (e.g. `def factory(): return tf_keras.Sequential([...])`)")
-    for weight in model.weights:
+    for weight in materialize.weights_so_far(model):
         layout = getattr(getattr(weight, "_variable", weight), "layout", None)
         if layout is None:
             continue
@@ -955,6 +956,21 @@ class _nested_models:  # pylint: disable=invalid-name
                     return original(model, *args, **kwargs)
                 finally:
                     model._layout_map = saved  # pylint: disable=protected-access
+            example = args[0] if args else kwargs.get("inputs")
+            if saved is not None and not model.built and example is not None and \
+                    tf.executing_eagerly() and all(isinstance(t, (_EagerTensor, np.ndarray))
+                                                   for t in tf.nest.flatten(example)):
+                # The factory builds its subclassed model by a call on a batch (keras.io:
+                # ``model(tf.zeros((1, 10), "int32"))``): built here from that batch's shapes
+                # and dtypes per example; tf_keras would take the batch dim for a feature dim
+                # and every dtype for float32.
+                _build_subclassed(model, saved, None, None, example=example)
+                mesh = saved.get_default_mesh()
+                on_mesh = tf.nest.map_structure(
+                    lambda t: dtensor.copy_to_mesh(tf.convert_to_tensor(t), dtensor.Layout.replicated(
+                        mesh, np.ndim(t))), example)
+                return original(model, on_mesh, *args[1:], **kwargs) if args else \
+                    original(model, **{**kwargs, "inputs": on_mesh})
             return original(model, *args, **kwargs)
 
         tf_keras.Model.__call__ = call
@@ -1091,20 +1107,26 @@ class _layer_name_counters:  # pylint: disable=invalid-name
 
 
 def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, input_shape,
-                      dtype) -> None:
+                      dtype, *, example: Any = None) -> None:
     """Creates a subclassed model's weights under the layout map, as DTensor variables.
 
     tf_keras' own route (the first ``__call__`` under a layout scope) builds the model on
     ``Input(x.shape)``, which takes the batch dim of ``x`` as a feature dim (a ``[4, 28, 28, 1]``
     batch gives a ``[None, 4, 28, 28, 1]`` input). dtk does the same steps with the right
     symbolic input: call on ``Input(input_shape)`` with lazy variables, then replace them by
-    DTensor variables laid out as planned.
+    DTensor variables laid out as planned. ``example``: a batch (a nest of tensors) whose
+    shapes per example and dtypes give the inputs instead of ``input_shape`` and ``dtype``.
     """
     from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
+    if example is not None:
+        symbolic = tf.nest.map_structure(lambda t: tf_keras.Input(
+            tuple(np.shape(t)[1:]), dtype=tf.convert_to_tensor(t).dtype), example)
+    else:
+        symbolic = tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype)
     saved, model._layout_map = model._layout_map, None  # pylint: disable=protected-access
     try:
         with keras_layout_map.layout_map_scope(layout_map):
-            model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
+            model(symbolic)
         keras_layout_map._map_subclass_model_variable(model, layout_map)  # pylint: disable=protected-access
     finally:
         model._layout_map = saved  # pylint: disable=protected-access

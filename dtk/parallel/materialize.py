@@ -45,7 +45,17 @@ def is_built(model: tf_keras.Model) -> bool:
     if model.built:
         return True
     parts = list(model._flatten_layers(include_self=False, recursive=False))  # pylint: disable=protected-access
-    return bool(parts) and bool(model.weights) and all(p.built for p in parts)
+    return bool(parts) and bool(weights_so_far(model)) and all(p.built for p in parts)
+
+
+def weights_so_far(model: tf_keras.Model) -> list:
+    """``model.weights``, or [] while a part of it is an unbuilt ``Sequential`` (keras.io's
+    subclassed models hold ``keras.Sequential([...])`` without an input shape, whose
+    ``weights`` raises "Weights for model 'sequential' have not yet been created")."""
+    try:
+        return model.weights
+    except ValueError:
+        return []
 
 
 def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequence[int] | None,
