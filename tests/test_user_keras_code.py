@@ -426,3 +426,44 @@ def test_subclassed_models_built_as_keras_io_builds_them(case, spec):
     got = run(dtk.distribute(factory, dtk.build_mesh(spec), seed=0, allow_replicated=True,
                              **kwargs))
     np.testing.assert_allclose(got, want, **TOL)
+
+
+# --- A trained model's layers in a second dtk.distribute ------------------------------------
+
+def _encoder():
+    return tf_keras.Sequential([tf_keras.Input((16, 16, 3)),
+                                tf_keras.layers.RandomFlip("horizontal"),
+                                tf_keras.layers.Conv2D(4, 3), tf_keras.layers.GlobalAveragePooling2D()],
+                               name="encoder")
+
+
+def test_a_trained_encoder_under_a_new_head_is_refused_with_the_way_to_reuse_its_weights():
+    """Two-stage training: the laid-out encoder itself is refused (naming it, not its
+    RandomFlip's shape check); built anew with the trained weights copied in, it trains."""
+    mesh = dtk.build_mesh("batch=8")
+    first = dtk.distribute(lambda: tf_keras.Sequential([_encoder(), tf_keras.layers.Dense(2)]),
+                           mesh, input_shape=(16, 16, 3))
+    first.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(32, 16, 16, 3)).astype("float32")
+    first.fit(x, np.arange(32) % 2, batch_size=16, verbose=0)
+    trained = first.get_layer("encoder")
+    with pytest.raises(ValueError, match=r"model_factory uses layer 'encoder' \(Sequential\) of "
+                       r"model '\w+', which dtk already laid out.*new_layer.set_weights\("
+                       r"dtk.gather_weights\(trained_layer\)\)"):
+        dtk.distribute(lambda: tf_keras.Sequential([trained, tf_keras.layers.Dense(3)]), mesh,
+                       input_shape=(16, 16, 3))
+    weights = dtk.gather_weights(trained)
+
+    def second():
+        encoder = _encoder()
+        encoder.set_weights(weights)
+        encoder.trainable = False
+        return tf_keras.Sequential([encoder, tf_keras.layers.Dense(3)])
+
+    model = dtk.distribute(second, mesh, input_shape=(16, 16, 3))
+    for want, got in zip(weights, dtk.gather_weights(model.get_layer("encoder"))):
+        np.testing.assert_array_equal(got, want)
+    model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, np.arange(32) % 3, batch_size=16, verbose=0)
+    for want, got in zip(weights, dtk.gather_weights(model.get_layer("encoder"))):
+        np.testing.assert_array_equal(got, want)  # frozen: still the trained weights

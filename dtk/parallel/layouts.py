@@ -583,6 +583,9 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
         raise TypeError(f"model_factory must return a tf_keras.Model; it returned "
                         f"{type(model).__name__}: {str(model)[:80]!r}. Return the model from the "
                         "factory (e.g. `def factory(): return tf_keras.Sequential([...])`)")
+    if getattr(model, "_dtk_laid_out_in", None) is None:  # (one dtk laid out itself: below)
+        for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+            _refuse_laid_out(layer)
     for weight in materialize.weights_so_far(model):
         layout = getattr(getattr(weight, "_variable", weight), "layout", None)
         if layout is None:
@@ -625,6 +628,45 @@ def _seeds_itself_when_built(model: tf_keras.Model) -> bool:
     return False
 
 
+class _refuse_laid_out_layers:  # pylint: disable=invalid-name
+    """While dtk calls a factory for its reference build: a layer of a model dtk already laid out
+    (two-stage training: a trained encoder under a new head) is refused at its first call or
+    when the factory returns it, with the real cause and the fix. Its weights are DTensors on a
+    mesh, and dtk builds every model from plain layers; otherwise the error is whatever that
+    layer's laid-out form fails on first (a RandomFlip's static-shape check, an unbuilt
+    Sequential)."""
+
+    def __enter__(self):
+        self._call = call = tf_keras.layers.Layer.__call__
+
+        def checked(layer, *args, **kwargs):
+            _refuse_laid_out(layer)
+            return call(layer, *args, **kwargs)
+
+        tf_keras.layers.Layer.__call__ = checked
+        return self
+
+    def __exit__(self, *exc):
+        tf_keras.layers.Layer.__call__ = self._call
+        return False
+
+
+class _LaidOutLayer(ValueError):
+    pass
+
+
+def _refuse_laid_out(layer: Any) -> None:
+    owner = getattr(layer, "_dtk_laid_out_in", None)
+    if owner is not None:
+        raise _LaidOutLayer(
+            f"model_factory uses layer {layer.name!r} ({type(layer).__name__}) of model "
+            f"{owner!r}, which dtk already laid out on a mesh (its weights are DTensors there): "
+            "a factory must build new, plain layers. To reuse trained weights (a pretrained "
+            "encoder under a new head), build the layer anew in the factory and copy them in: "
+            "new_layer.set_weights(dtk.gather_weights(trained_layer)) (or load a checkpoint "
+            "saved with model.save_weights)")
+
+
 def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = None,
                      dtype="float32") -> tuple[tf_keras.Model, bool]:
     """The model to plan from, and whether it is lazy (shapes only, see ``dtk.parallel.materialize``).
@@ -632,6 +674,11 @@ def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = Non
     Lazy when the factory builds with lazy variables; otherwise (it needs real values while it
     builds, e.g. ``adapt()``) the plain build, which holds every weight on this host.
     """
+    with _refuse_laid_out_layers():
+        return _reference_model_checked(model_factory, input_shape, mesh, seed=seed, dtype=dtype)
+
+
+def _reference_model_checked(model_factory, input_shape, mesh, *, seed, dtype):
     names = _layer_name_counters()
     try:
         model = _check_factory_result(materialize.lazy_model(model_factory, input_shape, dtype))
@@ -641,7 +688,7 @@ def _reference_model(model_factory, input_shape, mesh, *, seed: int | None = Non
                   "weights' initializers, which a lazy build cannot replay"
                   if materialize.is_built(model)
                   else "a lazy build leaves it unbuilt (a subclassed model without input_shape)")
-    except TypeError:
+    except (TypeError, _LaidOutLayer):
         raise
     except Exception as e:  # pylint: disable=broad-except  (whatever needed real values)
         reason = (f"a build with lazy variables failed: {type(e).__name__}: "
@@ -799,6 +846,8 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     # Untracked: the metric objects in it are not the model's state (a checkpoint would try to
     # save their never-initialized placeholders).
     object.__setattr__(model, "_dtk_compiled", compiled_settings(reference))
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        object.__setattr__(layer, "_dtk_laid_out_in", model.name)  # (untracked) see below
     if getattr(model, "optimizer", None) is not None:
         # The optimizer the factory compiled under the layout scope holds variables that were
         # never given values (its iteration count): a checkpoint of the model would fail on
