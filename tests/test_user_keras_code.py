@@ -467,3 +467,34 @@ def test_a_trained_encoder_under_a_new_head_is_refused_with_the_way_to_reuse_its
     model.fit(x, np.arange(32) % 3, batch_size=16, verbose=0)
     for want, got in zip(weights, dtk.gather_weights(model.get_layer("encoder"))):
         np.testing.assert_array_equal(got, want)  # frozen: still the trained weights
+
+
+# --- Exact resume with fit's default shuffle=True --------------------------------------------
+
+def test_checkpoint_callback_resumes_a_shuffled_fit_bit_for_bit(tmp_path):
+    """Keras draws each epoch's order from a stateful op that a new run starts again; under
+    dtk.CheckpointCallback the orders are keyed by (seed, epoch), so 2 epochs, then the same
+    fit again to 4, equal 4 epochs uninterrupted (weights bit for bit), and the shuffles are
+    real (another order than shuffle=False)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 12)).astype("float32")
+    y = rng.integers(0, 2, 96)
+    mesh = dtk.build_mesh("batch=8")
+
+    def run(directory, epochs, **fit_kwargs):
+        model = dtk.distribute(lambda: tf_keras.Sequential([
+            tf_keras.Input((12,)), tf_keras.layers.Dense(16, activation="relu"),
+            tf_keras.layers.Dense(2)]), mesh, seed=3)
+        model.compile(tf_keras.optimizers.Adam(1e-2),
+                      tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=epochs, verbose=0,
+                  callbacks=[dtk.CheckpointCallback(str(directory))], **fit_kwargs)
+        return dtk.gather_weights(model)
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 4)
+    for a, b in zip(whole, resumed):
+        np.testing.assert_array_equal(b, a)
+    unshuffled = run(tmp_path / "unshuffled", 4, shuffle=False)
+    assert not np.array_equal(unshuffled[0], whole[0])

@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -209,6 +210,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     require_keras2(model, "model")
     custom_loops.install()
     state = MeshState(mesh, batch_axis)
+    state.seed = int(seed)
     state.generator = randomness.step_generator(model, seed=seed)
     object.__setattr__(model, "_dtk_mesh_state", state)
     cls_compile = type(model).compile
@@ -266,8 +268,12 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             state.check_call(_name, size, kwargs.get("callbacks"), y=y,
                              class_weight=kwargs.get("class_weight"),
                              validation_split=kwargs.get("validation_split"))
+            given = kwargs.get("callbacks", args[5] if len(args) > 5 and _name == "fit" else None)
+            keyed = _name == "fit" and _shuffles_arrays(args, kwargs) and any(
+                isinstance(c, CheckpointCallback) for c in tf.nest.flatten(given or []))
             try:
-                return _method(self, *args, **kwargs)
+                with _epochs_shuffled_by_key(state) if keyed else contextlib.nullcontext():
+                    return _method(self, *args, **kwargs)
             finally:
                 if _name == "fit":
                     state.end_fit()
@@ -279,6 +285,43 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     model.make_predict_function = types.MethodType(
         _maker("predict_step", "predict_function"), model)
     return model
+
+
+def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``fit`` call has Keras shuffle arrays each epoch (``shuffle=True``, its
+    default, on arrays or tensors; a ``tf.data`` dataset or a generator orders itself)."""
+    x = kwargs.get("x", args[0] if args else None)
+    shuffle = kwargs.get("shuffle", args[8] if len(args) > 8 else True)
+    return shuffle is True and isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple))
+
+
+@contextlib.contextmanager
+def _epochs_shuffled_by_key(state: MeshState):
+    """Keras's per-epoch shuffle of arrays keyed by ``(seed, epoch)`` for this ``fit``: Keras
+    draws each epoch's order from a stateful op whose stream a new process starts again, so a
+    resumed run would see other orders than the uninterrupted one. Here epoch ``e``'s order is
+    ``stateless_shuffle(seed=(seed, e))`` in every run, and ``CheckpointCallback`` sets ``e`` to
+    the epoch it resumes at (the order of a run with the callback is not plain Keras's, which
+    no resume can continue)."""
+    from tf_keras.src.engine import data_adapter  # pylint: disable=g-import-not-at-top
+    if state.shuffle_epoch is None:
+        with tf.init_scope():
+            state.shuffle_epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+    state.shuffle_epoch.assign(0)
+    epoch, seed = state.shuffle_epoch, state.seed
+    random = data_adapter.tf.random  # tensorflow.compat.v2.random: the adapter's permutation
+    keras_shuffle = random.shuffle
+
+    def shuffle(value, seed_=None, name=None):  # pylint: disable=unused-argument
+        key = epoch.assign_add(1) - 1
+        return tf.random.experimental.stateless_shuffle(
+            value, seed=tf.stack([tf.constant(seed, tf.int64), key]))
+
+    random.shuffle = shuffle
+    try:
+        yield
+    finally:
+        random.shuffle = keras_shuffle
 
 
 def _maker(step_name: str, attr: str) -> Callable:
@@ -743,6 +786,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                           f", after its batch {self.restored_step}" if self.restored_step else "")
             self.model._training_state = _ResumeAt(self.restored_epoch, self.restored_step)  # pylint: disable=protected-access
             state.skip_batches = self.restored_step
+            if state.shuffle_epoch is not None:  # the resumed epoch's order, as uninterrupted
+                state.shuffle_epoch.assign(self.restored_epoch)
         self._stop = preemption.StopSignals().install()
         state.at_fit_end.append(self._close)
 

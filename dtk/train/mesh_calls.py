@@ -43,6 +43,10 @@ class MeshState:
         # Run when fit returns or raises (Keras calls on_train_end only when it returns):
         # CheckpointCallback's signal handlers and the directory's lock are released.
         self.at_fit_end: list[Callable[[], Any]] = []
+        self.seed = 0  # distribute(seed=): keys the epochs' shuffles under CheckpointCallback
+        # The epoch whose order the next shuffle draws (a host variable; dtk.distribute's fit
+        # with CheckpointCallback and shuffle=True), set by the callback when it resumes.
+        self.shuffle_epoch: tf.Variable | None = None
 
     def end_fit(self) -> None:
         self.skip_batches = 0
