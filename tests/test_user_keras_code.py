@@ -473,7 +473,7 @@ def test_a_trained_encoder_under_a_new_head_is_refused_with_the_way_to_reuse_its
 
 def test_checkpoint_callback_resumes_a_shuffled_fit_bit_for_bit(tmp_path):
     """Keras draws each epoch's order from a stateful op that a new run starts again; under
-    dtk.CheckpointCallback the orders are keyed by (seed, epoch), so 2 epochs, then the same
+    dtk.CheckpointCallback a resumed fit draws past the epochs trained, so 2 epochs, then the same
     fit again to 4, equal 4 epochs uninterrupted (weights bit for bit), and the shuffles are
     real (another order than shuffle=False)."""
     rng = np.random.default_rng(0)
@@ -498,3 +498,12 @@ def test_checkpoint_callback_resumes_a_shuffled_fit_bit_for_bit(tmp_path):
         np.testing.assert_array_equal(b, a)
     unshuffled = run(tmp_path / "unshuffled", 4, shuffle=False)
     assert not np.array_equal(unshuffled[0], whole[0])
+    # and a run from the start shuffles as plain tf_keras does (the orders are Keras's own)
+    tf_keras.utils.set_random_seed(3)
+    plain = tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(16, activation="relu"),
+                                 tf_keras.layers.Dense(2)])
+    plain.compile(tf_keras.optimizers.Adam(1e-2),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plain.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    for a, b in zip(plain.get_weights(), whole):
+        np.testing.assert_allclose(b, a, **TOL)

@@ -297,25 +297,39 @@ def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
 
 @contextlib.contextmanager
 def _epochs_shuffled_by_key(state: MeshState):
-    """Keras's per-epoch shuffle of arrays keyed by ``(seed, epoch)`` for this ``fit``: Keras
-    draws each epoch's order from a stateful op whose stream a new process starts again, so a
-    resumed run would see other orders than the uninterrupted one. Here epoch ``e``'s order is
-    ``stateless_shuffle(seed=(seed, e))`` in every run, and ``CheckpointCallback`` sets ``e`` to
-    the epoch it resumes at (the order of a run with the callback is not plain Keras's, which
-    no resume can continue)."""
+    """Keras's per-epoch shuffle of arrays, resumable: Keras draws epoch ``e``'s order as the
+    ``e``-th draw of one stateful shuffle op, whose stream a new process starts again, so a
+    resumed run would see other orders than the uninterrupted one. Here the same op (the seeds
+    Keras's would get, drawn the same way: plain Keras's orders in a run from the start) draws
+    ``1 + skip`` times for the first epoch and keeps the last, where ``CheckpointCallback`` sets
+    ``skip`` to the epoch it resumes at: the resumed epochs get the uninterrupted run's orders.
+    (The process's seed must be the same, as it is for ``dtk.distribute(seed=...)`` runs of one
+    script.)"""
+    from tensorflow.python.framework import random_seed  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import gen_random_ops  # pylint: disable=g-import-not-at-top
     from tf_keras.src.engine import data_adapter  # pylint: disable=g-import-not-at-top
     if state.shuffle_epoch is None:
         with tf.init_scope():
             state.shuffle_epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
     state.shuffle_epoch.assign(0)
-    epoch, seed = state.shuffle_epoch, state.seed
+    skip = state.shuffle_epoch
     random = data_adapter.tf.random  # tensorflow.compat.v2.random: the adapter's permutation
     keras_shuffle = random.shuffle
 
-    def shuffle(value, seed_=None, name=None):  # pylint: disable=unused-argument
-        key = epoch.assign_add(1) - 1
-        return tf.random.experimental.stateless_shuffle(
-            value, seed=tf.stack([tf.constant(seed, tf.int64), key]))
+    def shuffle(value, seed=None, name=None):  # pylint: disable=unused-argument
+        seed1, seed2 = random_seed.get_seed(seed)  # what Keras's op would get, here
+        draws = skip.read_value()
+        with tf.control_dependencies([draws]):
+            reset = skip.assign(0)
+
+        def body(i, last):
+            with tf.control_dependencies([last]):  # one draw after the other, in order
+                return i + 1, gen_random_ops.random_shuffle(value, seed=seed1 or 0,
+                                                            seed2=seed2 or 0)
+
+        with tf.control_dependencies([reset]):
+            return tf.while_loop(lambda i, _: i <= draws, body, (tf.constant(0, tf.int64), value),
+                                 parallel_iterations=1)[1]
 
     random.shuffle = shuffle
     try:
