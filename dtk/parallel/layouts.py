@@ -701,6 +701,17 @@ def _reference_model_checked(model_factory, input_shape, mesh, *, seed, dtype):
     return _plain_model(model_factory, input_shape, mesh, dtype=dtype), False
 
 
+# String and lookup preprocessing layers: their ops have no DTensor expansion (dtk.distribute
+# runs them on the host when a Sequential model starts with them: dtk.train.host_inputs).
+HOST_INPUT_LAYERS = ("TextVectorization", "StringLookup", "IntegerLookup", "Hashing",
+                     "HashedCrossing")
+
+
+class HostInputsFirst(Exception):
+    """``build_model(host_inputs=True)`` of a ``Sequential`` whose first layer is one of
+    ``HOST_INPUT_LAYERS``: the caller splits them off to the host (``dtk.train.host_inputs``)."""
+
+
 class _PlannedLayoutMap(tf_keras.dtensor.experimental.LayoutMap):
     """A LayoutMap that answers with the validated plan (exact paths only, never a prefix match)."""
 
@@ -717,6 +728,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
                 table: LayoutTable | str, *, seed: int, strict: bool = False,
                 allow_replicated: bool = False, input_shape: Sequence[int] | None = None,
                 input_dtype: str = "float32", fsdp: bool = False, log_warnings: bool = True,
+                host_inputs: bool = False,
                 initial_values: Callable[[set[str]], Any] | None = None
                 ) -> tuple[tf_keras.Model, LayoutPlan]:
     """Builds ``model_factory()`` with every weight laid out on ``mesh`` as ``table`` says.
@@ -768,6 +780,9 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     names = _layer_name_counters()
     reference, lazy = _reference_model(model_factory, input_shape, mesh, seed=seed,
                                        dtype=input_dtype)
+    if host_inputs and isinstance(reference, tf_keras.Sequential) and reference.layers and \
+            type(reference.layers[0]).__name__ in HOST_INPUT_LAYERS:
+        raise HostInputsFirst(reference.layers[0].name)
     op_support.check_layers(reference)  # before the laid-out build, whose errors name no layer
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,
                        allow_replicated=allow_replicated, fsdp=fsdp)

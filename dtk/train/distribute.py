@@ -52,7 +52,7 @@ from dtk.keras_check import Keras3Model, require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
-from dtk.train import custom_loops
+from dtk.train import custom_loops, host_inputs
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 from dtk.train.steps import auto_shard_optimizer_state, update_layout
@@ -131,11 +131,19 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
     if isinstance(remat, str):
         raise ValueError(f"remat must be a list of layer-name patterns, e.g. [{remat!r}]; got the "
                          f"string {remat!r} (a string would be read letter by letter)")
+    host = None
     try:
-        model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
-                                       allow_replicated=allow_replicated,
-                                       input_shape=input_shape, input_dtype=input_dtype,
-                                       fsdp=fsdp)
+        try:
+            model, _ = layouts.build_model(model_factory, mesh, layout, seed=seed, strict=strict,
+                                           allow_replicated=allow_replicated,
+                                           input_shape=input_shape, input_dtype=input_dtype,
+                                           fsdp=fsdp, host_inputs=True)
+        except layouts.HostInputsFirst:  # string preprocessing first: on the host
+            host, device_factory, compiled = host_inputs.split(model_factory, seed)
+            model, _ = layouts.build_model(device_factory, mesh, layout, seed=seed,
+                                           strict=strict, allow_replicated=allow_replicated,
+                                           fsdp=fsdp)
+            object.__setattr__(model, "_dtk_compiled", compiled)
     except Keras3Model:  # a Keras 3 factory: Keras 3's own distribution, by dtk's seams
         from dtk.train import keras3  # pylint: disable=g-import-not-at-top
         for name, value, default in (("fsdp", fsdp, False), ("remat", tuple(remat), ()),
@@ -157,6 +165,8 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         _log.info("remat: %s recompute their activations in the backward pass",
                   ", ".join(dtk_remat.apply(model, remat)))
     on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
+    if host is not None:
+        model._dtk_mesh_state.host = host  # pylint: disable=protected-access
     if shard_optimizer_state == "auto":
         shard_optimizer_state = not fsdp and auto_shard_optimizer_state(
             model.trainable_variables, mesh, batch_axis)
@@ -467,8 +477,11 @@ def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:
     for each in models:
         original = each.call
 
-        def call(inputs, *args, __call=original, **kwargs):
+        def call(inputs, *args, __call=original, __outer=each is model, **kwargs):
             if tf.executing_eagerly():
+                if __outer:  # a model whose string preprocessing runs on the host
+                    inputs = host_inputs.on_host(getattr(getattr(
+                        model, "_dtk_mesh_state", None), "host", None), inputs)
                 inputs = tf.nest.map_structure(
                     lambda t: dtensor.copy_to_mesh(t, dtensor.Layout.replicated(
                         mesh, t.shape.rank)) if tf.is_tensor(t) and not dtensor.is_dtensor(t)

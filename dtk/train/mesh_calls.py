@@ -24,6 +24,7 @@ from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from dtk.data.input import pack
 from dtk.parallel import ops
+from dtk.train import host_inputs
 from dtk.keras_check import require_keras2
 
 
@@ -43,6 +44,7 @@ class MeshState:
         # Run when fit returns or raises (Keras calls on_train_end only when it returns):
         # CheckpointCallback's signal handlers and the directory's lock are released.
         self.at_fit_end: list[Callable[[], Any]] = []
+        self.host: Any = None  # leading string preprocessing layers run on the host
         self.seed = 0  # distribute(seed=): keys the epochs' shuffles under CheckpointCallback
         # The epoch whose order the next shuffle draws (a host variable; dtk.distribute's fit
         # with CheckpointCallback and shuffle=True), set by the callback when it resumes.
@@ -281,6 +283,8 @@ class MeshCalls:
 
     def __call__(self, datas: list) -> Any:
         state, outputs = self.state, None
+        if state.host is not None:  # leading string preprocessing, on the host
+            datas = [host_inputs.apply(state.host, d) for d in datas]
         if len(datas) > 1 and not self._fresh and self._logs_layouts[0] is not None:
             stacked = state.stackable(datas, local=self.local)
             if stacked > 1:
