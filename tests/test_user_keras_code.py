@@ -573,3 +573,23 @@ def test_string_and_lookup_preprocessing_runs_on_the_host_with_keras_numbers(cas
                              allow_replicated=True))
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, **TOL)
+
+
+class _PickFirstColumn(tf_keras.layers.Layer):
+    """``tf.gather_nd`` with ``[row, 0]`` pairs over the whole batch."""
+
+    def call(self, h):
+        rows = tf.range(tf.shape(h)[0])
+        picked = tf.gather_nd(h, tf.stack([rows, tf.zeros_like(rows)], 1))
+        return picked[:, None] * h
+
+
+def test_indices_into_the_whole_batch_are_refused_with_the_per_example_form():
+    """DTensor gathers within each device's rows: "indices[15] = [15, 0] does not index into
+    shape [2,16]" (a raw InvalidArgumentError) before."""
+    with pytest.raises(ValueError, match=r"(GatherNd|ScatterNd) in op scope '[^']*pick' indexed past a "
+                       r"device's rows \(indices\[15\] = \[15, 0\] does not index into shape "
+                       r"\[2,16\]\).*tf.gather_nd\(..., batch_dims=1\)"):
+        _fit_random("batch=8", lambda: tf_keras.Sequential([
+            tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+            _PickFirstColumn(name="pick"), tf_keras.layers.Dense(2, name="d2")]))

@@ -107,6 +107,8 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
 
 _PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
 _STATEFUL_RANDOM = "Stateful random operations are not supported"
+_PAST_THE_SHARD = re.compile(r"indices\[[\d,]+\] = \[[^\]]*\] does not index into shape "
+                             r"\[[^\]]*\]")
 
 
 def _scopes(graph: Any, match) -> list[str]:
@@ -1066,6 +1068,19 @@ def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str |
                 "cannot run on a DTensor mesh as it is; compute it in the input pipeline, on the "
                 "host, before the batch is laid out, or replace the layer by one dtk supports "
                 "(see dtk.parallel.ops.UNSUPPORTED_OPS)")
+    past = _PAST_THE_SHARD.search(message)
+    if past:
+        node = re.search(r"\{\{node ([^}]+)\}\}", message)
+        name = node.group(1) if node else ""
+        op = name.rsplit("/", 1)[-1] or "a gather or scatter"
+        scope = name.rsplit("/", 1)[0].removeprefix("tf.StatefulPartitionedCall/")
+        scope = scope.removeprefix("gradient_tape/")
+        return (f"{op}{f' in op scope {scope!r}' if scope and scope != name else ''} indexed "
+                f"past a device's rows ({past.group(0)}): on a batch split over the mesh, "
+                "DTensor gathers and scatters within each device's own rows, so indices into the "
+                "whole batch (a tf.range over the batch, flattened positions) go past them; "
+                "index per example instead (tf.gather(..., batch_dims=1), "
+                "tf.gather_nd(..., batch_dims=1)); nothing was trained by this step")
     if _STATEFUL_RANDOM in message:
         uncovered = randomness.uncovered_random_ops(graph) if graph is not None else {}
         return _random_refusal(sorted({t for types_ in uncovered.values() for t in types_}),

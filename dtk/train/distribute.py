@@ -284,6 +284,11 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             try:
                 with _epochs_shuffled_by_key(state) if keyed else contextlib.nullcontext():
                     return _method(self, *args, **kwargs)
+            except tf.errors.InvalidArgumentError as e:  # raised where the step is read back
+                message = ops.explain_failure(e)
+                if message is None:
+                    raise
+                raise ValueError(message) from None
             finally:
                 if _name == "fit":
                     state.end_fit()
