@@ -593,3 +593,57 @@ def test_indices_into_the_whole_batch_are_refused_with_the_per_example_form():
         _fit_random("batch=8", lambda: tf_keras.Sequential([
             tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
             _PickFirstColumn(name="pick"), tf_keras.layers.Dense(2, name="d2")]))
+
+
+# --- The ops users call (BUILD.md, "Your own Keras code": the scan and its table) ------------
+
+OPS = {
+    "gather": lambda h: tf.gather(h, [3, 1, 0], axis=1),
+    "gather_batch_dims": lambda h: tf.gather(h, tf.argsort(h, axis=1)[:, :3], axis=1,
+                                             batch_dims=1),
+    "scatter_nd": lambda h: h + tf.scatter_nd([[0], [2]], tf.ones([2, 16]), [4, 16])[:1] * h,
+    "unsorted_segment_sum": lambda h: tf.transpose(
+        tf.math.unsorted_segment_sum(tf.transpose(h), [0, 1] * 8, 2)),
+    "cumsum": lambda h: tf.math.cumsum(h, axis=1),
+    "cumsum_over_batch": lambda h: tf.math.cumsum(h, axis=0),
+    "one_hot": lambda h: tf.one_hot(tf.argmax(h, 1), 16) * h,
+    "argsort": lambda h: tf.gather(h, tf.argsort(h[0]), axis=1),
+    "sort": lambda h: tf.sort(h, axis=1),
+    "top_k": lambda h: tf.math.top_k(h, 4).values,
+}
+
+
+class _Op(tf_keras.layers.Layer):
+    def __init__(self, op, **kwargs):
+        super().__init__(**kwargs)
+        self.op = op
+
+    def call(self, h):
+        return OPS[self.op](h)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_the_ops_users_call_train_on_the_sharded_meshes(op):
+    """Each op between two Dense layers (the first sharded over ``model`` on
+    ``batch=4,model=2``), gradient included, against plain tf_keras; ``tf.one_hot`` failed on
+    batch=4,model=2 ("non-broadcastable operands") and ``top_k``'s gradient on batch=8."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype("float32")
+    y = rng.integers(0, 2, 64)
+
+    def factory():
+        return tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+                                    _Op(op, name="op"), tf_keras.layers.Flatten(),
+                                    tf_keras.layers.Dense(2, name="out")])
+
+    def run(model):
+        model.compile(tf_keras.optimizers.SGD(0.1),
+                      tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    tf_keras.utils.set_random_seed(0)
+    want = run(factory())
+    for spec in MESHES[1:]:
+        got = run(dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
+                                 allow_replicated=True))
+        np.testing.assert_allclose(got, want, **TOL, err_msg=spec)

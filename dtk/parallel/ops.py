@@ -412,6 +412,29 @@ def top_k(input, k=1, sorted=True, index_type=tf.int32, name=None):  # pylint: d
     return type(_TF_TOP_K(tf.zeros([1, 1]), k=1))(values, indices)
 
 
+_TF_ONE_HOT = tf.one_hot
+
+
+def one_hot(indices, depth, on_value=None, off_value=None, axis=None, dtype=None, name=None):
+    """``tf.one_hot`` as a comparison with ``range(depth)`` (the same values): DTensor lays
+    ``OneHot``'s output out without the layout of what it is combined with, and on
+    ``batch=4,model=2`` ``tf.one_hot(tf.argmax(h, 1), n) * h`` failed ("non-broadcastable
+    operands"); a comparison and a cast are elementwise ops it lays out. Other axes: TensorFlow's."""
+    if axis not in (None, -1) or not isinstance(depth, int):
+        return _TF_ONE_HOT(indices, depth, on_value=on_value, off_value=off_value, axis=axis,
+                           dtype=dtype, name=name)
+    if dtype is None:
+        dtype = (tf.convert_to_tensor(on_value).dtype if on_value is not None else
+                 tf.convert_to_tensor(off_value).dtype if off_value is not None else tf.float32)
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in (tf.int32, tf.int64):
+        indices = tf.cast(indices, tf.int64)
+    hit = tf.equal(tf.expand_dims(indices, -1), tf.range(depth, dtype=indices.dtype))
+    on = tf.cast(1 if on_value is None else on_value, dtype)
+    off = tf.cast(0 if off_value is None else off_value, dtype)
+    return tf.where(hit, on, off)
+
+
 class _DuringSteps:
     """Replaces ``tf.<module>.<name>`` (``tf.image.extract_patches``) while dtk traces a step
     on the mesh (``during_steps``), for user code that calls it itself (a keras.io page's own
@@ -444,6 +467,7 @@ def _keras_backends() -> tuple[Any, ...]:
 
 _DURING_STEPS = (_DuringSteps(tf.image, "extract_patches", extract_patches),
                  _DuringSteps(tf.math, "top_k", top_k), _DuringSteps(tf.nn, "top_k", top_k),
+                 _DuringSteps(tf, "one_hot", one_hot),
                  *(_DuringSteps(module, "ctc_batch_cost", ctc_batch_cost)
                    for module in _keras_backends()))
 
