@@ -647,3 +647,34 @@ def test_the_ops_users_call_train_on_the_sharded_meshes(op):
         got = run(dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
                                  allow_replicated=True))
         np.testing.assert_allclose(got, want, **TOL, err_msg=spec)
+
+
+# --- Keras's weight accessors on every layout dtk makes (issue 70) ---------------------------
+
+@pytest.mark.parametrize("spec, kwargs", [("batch=8", {"fsdp": True}),
+                                          ("batch=4,model=2", {"layout": "mlp_model_parallel"})])
+def test_every_keras_weight_accessor_works_on_every_layout(tmp_path, spec, kwargs):
+    """``get_weights()`` on an ``fsdp=True`` model was "Trying to copy a non-single-device and
+    non-replicated DTensor"; so were a layer's, ``variable.numpy()`` and ``save_weights`` to
+    ``.h5``. All read the whole values now; ``set_weights`` writes them."""
+    def factory():
+        return tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+                                    tf_keras.layers.Dense(2, name="d2")])
+
+    model = dtk.distribute(factory, dtk.build_mesh(spec), seed=0, **kwargs)
+    model.compile("adam", "mse")
+    model.fit(np.ones((16, 12), np.float32), np.ones((16, 2), np.float32), batch_size=8,
+              verbose=0)  # FSDP's stored shards, after an update
+    trained = dtk.gather_weights(model)
+    for got, want in zip(model.get_weights(), trained):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(model.get_layer("d1").get_weights()[0], trained[0])
+    np.testing.assert_array_equal(model.weights[0].numpy(), trained[0])
+    model.save_weights(str(tmp_path / "w.h5"))
+    plain = factory()
+    plain.load_weights(str(tmp_path / "w.h5"))
+    for got, want in zip(plain.get_weights(), trained):
+        np.testing.assert_array_equal(got, want)
+    model.set_weights([2 * w for w in trained])
+    for got, want in zip(dtk.gather_weights(model), trained):
+        np.testing.assert_array_equal(got, 2 * want)

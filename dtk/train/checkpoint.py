@@ -745,6 +745,26 @@ def global_value(tensor: Any) -> np.ndarray:
     return dtensor.unpack(value)[0].numpy()
 
 
+def read_sharded_variables_whole() -> None:
+    """Makes ``DVariable.numpy()`` return a sharded variable's whole value (``global_value``),
+    as for a replicated one: Keras's ``get_weights()`` (of the model and of each layer) and
+    ``save_weights`` to ``.h5`` read weights through it, and failed on every layout dtk makes
+    beyond data parallel ("Trying to copy a non-single-device and non-replicated DTensor").
+    Replicated variables read as before. Once per process (``dtk.distribute`` calls it)."""
+    if getattr(dtensor.DVariable.numpy, "_dtk", False):
+        return
+    keras_numpy = dtensor.DVariable.numpy
+
+    def numpy(self):
+        layout = getattr(self, "layout", None)
+        if layout is None or layout.is_fully_replicated():
+            return keras_numpy(self)
+        return global_value(self)
+
+    numpy._dtk = True  # pylint: disable=protected-access
+    dtensor.DVariable.numpy = numpy
+
+
 def gather_weights(model: tf_keras.Model) -> list[np.ndarray]:
     """``model.get_weights()`` for a laid-out model: every weight's global value, in order."""
     return [global_value(w) for w in model.weights]

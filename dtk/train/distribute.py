@@ -219,6 +219,8 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     (see the module docstring); ``distribute`` calls it. Returns ``model``."""
     require_keras2(model, "model")
     custom_loops.install()
+    from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+    checkpoint.read_sharded_variables_whole()  # get_weights, save_weights(.h5), v.numpy()
     state = MeshState(mesh, batch_axis)
     state.seed = int(seed)
     state.generator = randomness.step_generator(model, seed=seed)
