@@ -678,3 +678,39 @@ def test_every_keras_weight_accessor_works_on_every_layout(tmp_path, spec, kwarg
     model.set_weights([2 * w for w in trained])
     for got, want in zip(dtk.gather_weights(model), trained):
         np.testing.assert_array_equal(got, 2 * want)
+
+
+# --- Inputs that failed inside a traced step, refused before Keras starts (issue 70) ---------
+
+def _bad_fit_calls():
+    from dtk.data import input as input_lib  # pylint: disable=import-outside-toplevel
+    x = np.zeros((32, 12), np.float32)
+    y = np.arange(32) % 3
+    unbatched = tf.data.Dataset.from_tensor_slices((x, y))
+    return {
+        "label_out_of_range": (lambda m: m.fit(x, y + 1, batch_size=16, verbose=0),
+                               r"fit\(y=...\): label 3 is outside the 3 classes of model "
+                               r"'\w+''s output \(shape \(None, 3\)\).*give the last layer 4 units"),
+        "unbatched_dataset": (lambda m: m.fit(unbatched, verbose=0),
+                              r"fit\(x=...\): the tf.data dataset is not batched: its elements "
+                              r"are single examples of shape \(12,\).*dataset.batch\(batch_size\)"),
+        "unbatched_validation": (lambda m: m.fit(x, y, batch_size=16, validation_data=unbatched,
+                                                 verbose=0),
+                                 r"fit\(validation_data=...\): the tf.data dataset is not batched"),
+        "distributed_dataset": (lambda m: m.fit(input_lib.DistributedDataset(
+            unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
+            verbose=0), r"a dtk.DistributedDataset is dtk.Trainer's input; Keras's fit takes "
+                        r"the tf.data dataset itself, batched"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_fit_calls()))
+def test_bad_fit_inputs_are_one_line_before_any_step(case):
+    call, message = _bad_fit_calls()[case]
+    model = dtk.distribute(lambda: tf_keras.Sequential([tf_keras.Input((12,)),
+                                                        tf_keras.layers.Dense(3)]),
+                           dtk.build_mesh("batch=8"))
+    model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=message):
+        call(model)
+    assert int(model.optimizer.iterations.numpy()) == 0

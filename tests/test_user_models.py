@@ -497,14 +497,6 @@ def _float64_update(factory, initial, x, y):
 
 
 
-def _efficientnet_b0_dropout():
-    """EfficientNetB0 as tf_keras builds it, its dropout and stochastic depth on (0.2 each)."""
-    from tf_keras.src.applications import efficientnet  # pylint: disable=g-import-not-at-top
-    return efficientnet.EfficientNet(1.0, 1.0, 224, dropout_rate=0.2, drop_connect_rate=0.2,
-                                     model_name="efficientnetb0", weights=None,
-                                     input_shape=(32, 32, 3), classes=4)
-
-
 def _efficientnet_half(dropout: float):
     """tf_keras's EfficientNet at half width and depth (10 blocks of B0's 16, the same kinds:
     depthwise convolutions, squeeze-excitation, BatchNormalization, stochastic depth): the resume

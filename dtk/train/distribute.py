@@ -280,6 +280,11 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             state.check_call(_name, size, kwargs.get("callbacks"), y=y,
                              class_weight=kwargs.get("class_weight"),
                              validation_split=kwargs.get("validation_split"))
+            _check_data(self, _name, kwargs.get("x", args[0] if args else None), y)
+            if _name == "fit":
+                validation = kwargs.get("validation_data", args[7] if len(args) > 7 else None)
+                if isinstance(validation, tf.data.Dataset):
+                    _check_data(self, "fit(validation_data=...)", validation, None)
             given = kwargs.get("callbacks", args[5] if len(args) > 5 and _name == "fit" else None)
             keyed = _name == "fit" and _shuffles_arrays(args, kwargs) and any(
                 isinstance(c, CheckpointCallback) for c in tf.nest.flatten(given or []))
@@ -302,6 +307,49 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     model.make_predict_function = types.MethodType(
         _maker("predict_step", "predict_function"), model)
     return model
+
+
+def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
+    """What would fail inside a traced step, refused before Keras starts, in one line: dtk's
+    ``DistributedDataset`` (Keras's fit takes the ``tf.data`` dataset itself), an unbatched
+    ``tf.data`` dataset, integer labels outside a sparse loss's classes.
+
+    Raises:
+      ValueError: naming the argument, its value or shape, and the fix.
+    """
+    from dtk.data.input import DistributedDataset  # pylint: disable=g-import-not-at-top
+    where = method if "(" in method else f"{method}(x=...)"
+    if isinstance(x, DistributedDataset):
+        raise ValueError(
+            f"{where}: a dtk.DistributedDataset is dtk.Trainer's input; Keras's {method.split('(')[0]} "
+            "takes the tf.data dataset itself, batched (dataset.batch(global_batch_size)): dtk "
+            "lays each batch out over the mesh's batch axis")
+    inputs = getattr(model, "inputs", None) or []
+    if isinstance(x, tf.data.Dataset) and inputs:
+        spec = x.element_spec
+        first = tf.nest.flatten(spec[0] if isinstance(spec, tuple) else spec)[0]
+        want = inputs[0].shape.rank
+        if getattr(first, "shape", None) is not None and first.shape.rank is not None and \
+                want is not None and first.shape.rank == want - 1:
+            raise ValueError(
+                f"{where}: the tf.data dataset is not batched: its elements are single examples "
+                f"of shape {tuple(first.shape)}, where model {model.name!r} takes batches of "
+                f"{tuple(inputs[0].shape)}; call dataset.batch(batch_size) first")
+    loss = getattr(model, "loss", None)
+    outputs = getattr(model, "outputs", None) or []
+    sparse = loss in ("sparse_categorical_crossentropy",) or isinstance(
+        loss, tf_keras.losses.SparseCategoricalCrossentropy)
+    if sparse and len(outputs) == 1 and isinstance(y, np.ndarray) and y.size and \
+            y.dtype.kind in "iu" and outputs[0].shape[-1] is not None:
+        classes = int(outputs[0].shape[-1])
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= classes:
+            bad = high if high >= classes else low
+            raise ValueError(
+                f"{method}(y=...): label {bad} is outside the {classes} classes of model "
+                f"{model.name!r}'s output (shape {tuple(outputs[0].shape)}), which the sparse "
+                f"loss needs in [0, {classes}); fix the labels, or give the last layer "
+                f"{high + 1} units")
 
 
 def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
