@@ -258,3 +258,36 @@ def test_experts_over_batch_with_the_sequence_sharded_are_refused_with_the_way_o
                                          r"sequence sharded over 'model'.*transformer_lm_moe"):
         layouts.build_model(_factory(1), dtk.build_mesh("batch=4,model=2"),
                             "transformer_lm_moe_batch", seed=0)
+
+
+def test_routing_statistics_after_a_resume_are_the_uninterrupted_runs(tmp_path):
+    """Issue 70: the routing counters are saved with the weights; a resumed run added its first
+    interval's counts to the checkpointed interval's (36.4% dropped reported for steps 3-4 where
+    the uninterrupted run dropped 38.8%). Each epoch's statistics (reset after each, as
+    train_lm.py reports them) now equal the uninterrupted run's after a resume at epoch 2."""
+    x, y = _data()
+    mesh = dtk.build_mesh("batch=8")
+
+    def fit(directory, epochs):
+        data = input_lib.DistributedDataset(
+            tf.data.Dataset.from_tensor_slices((x[:4].reshape(-1, SEQ), y[:4].reshape(-1, SEQ))),
+            mesh, input_lib.InputConfig(global_batch_size=B))
+        trainer = dtk.Trainer(mesh=mesh, model=_factory(2), layout=_table("batch=8"),
+                              optimizer=dtk.make_optimizer("adam", mesh, learning_rate=3e-3),
+                              loss="sparse_categorical_crossentropy", metrics=[],
+                              config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=1,
+                                                       checkpoint_dir=str(directory)))
+        stats = []
+
+        def report(epoch, logs):
+            stats.append(experts.routing_stats(trainer.model)["moe_dropped"])
+            experts.reset_routing_stats(trainer.model)
+
+        trainer.fit(data, epochs=epochs, on_epoch_end=[report])
+        return stats
+
+    whole = fit(tmp_path / "whole", 3)
+    fit(tmp_path / "resumed", 2)
+    resumed = fit(tmp_path / "resumed", 3)
+    assert len(whole) == 3 and len(resumed) == 1
+    assert resumed[0] == pytest.approx(whole[2], rel=1e-6), (whole, resumed)

@@ -325,6 +325,10 @@ def routing_stats(model: tf_keras.Model) -> dict[str, float]:
 
 
 def reset_routing_stats(model: tf_keras.Model) -> None:
+    """Zeroes the routing counters. Also after a restore (``dtk.Trainer``,
+    ``dtk.CheckpointCallback``): the counters are saved with the layer's weights, and a resumed
+    run's first interval would otherwise add its counts to the checkpointed interval's (36.4%
+    dropped reported where the uninterrupted run's steps 3-4 dropped 38.8%)."""
     for layer in moe_layers(model):
         for variable in (layer.tokens, layer.dropped, layer.load):
             variable.assign(tf.zeros_like(variable))

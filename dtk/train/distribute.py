@@ -866,6 +866,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                 _log.info("resumed from %s: epoch %d%s", self._checkpointer.restored,
                           self.restored_epoch + 1,
                           f", after its batch {self.restored_step}" if self.restored_step else "")
+            from dtk.parallel import experts  # pylint: disable=g-import-not-at-top
+            experts.reset_routing_stats(self.model)  # statistics of the run from here
             self.model._training_state = _ResumeAt(self.restored_epoch, self.restored_step)  # pylint: disable=protected-access
             state.skip_batches = self.restored_step
             if state.shuffle_epoch is not None:  # the resumed epoch's order, as uninterrupted

@@ -38,6 +38,7 @@ from tensorflow.python.eager import context
 from dtk.train import checkpoint as ckpt_lib
 from dtk.cluster import env as cluster
 from dtk.errors import first_line
+from dtk.parallel import experts
 from dtk.parallel import layouts as layouts_lib
 from dtk.parallel import mesh as mesh_lib
 from dtk.parallel import ops as op_support
@@ -690,6 +691,7 @@ class Trainer:
             return 0, 0
         self._check_settings(state.get("settings"))
         self.steps.sync_update_state()
+        experts.reset_routing_stats(self.model)  # the interval's statistics start here
         epoch, skip = int(state["epoch"]), int(state["batch_in_epoch"])
         if state.get("steps_per_epoch") != steps_per_epoch and self.resume_changes:
             # A change allowed on purpose (the batch size, the data) moved the epoch's batches:
