@@ -204,8 +204,6 @@ class PipelineSteps:
         self._infer = [self._compile_infer(s) for s in range(stages)]
         self._eval_loss = tf.function(lambda labels, y, weights: weighted_loss(
             self.loss_fn, labels, y, weights)[:2])
-        self._gather = tf.function(lambda t: dtensor.relayout(
-            t, dtensor.Layout.replicated(pipe.meshes[-1], t.shape.rank)))
         self.timeline: list[tuple[str, int, int, float, float]] = []  # with record=True
 
     def _trace_exchanges(self, rows: int) -> None:
@@ -413,7 +411,11 @@ class PipelineSteps:
         y = self._predict(features)
         last = len(self.pipe.meshes) - 1
         if self.exchange.direct:
-            return dtensor.unpack(self._gather(y))[0].numpy()
+            # One sharded dim at a time (global_value): the logits of a stage with a model axis
+            # ([batch, unsharded, model]) gathered over both axes at once failed in DTensor's
+            # lowering ("'tf.Reshape' op requires 'output' number of elements to match").
+            from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
+            return checkpoint.global_value(y)
         shape = (np.asarray(features).shape[0], *self.pipe.models[-1].output_shape[1:])
         out = self.exchange._on_full_mesh(y, last, shape, tf.float32)  # pylint: disable=protected-access
         return dtensor.unpack(self._whole(out))[0].numpy()
