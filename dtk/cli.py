@@ -188,8 +188,11 @@ def check_shared_flags(values: Callable[[str], Any]) -> None:
                          "out to create as many as the mesh needs)")
     accum = values("grad_accum")
     if accum is not None and accum < 1:
-        raise UsageError(f"--grad_accum must be a positive integer; got {accum} (1: no "
-                         "accumulation)")
+        given = next((f"--{alias}" for alias in FLAG_ALIASES["grad_accum"]
+                      if any(a.split("=")[0] == f"--{alias}" for a in sys.argv[1:])),
+                     "--grad_accum")  # the name the user typed
+        raise UsageError(f"{given} must be a positive integer; got {accum} (1: "
+                         f"{'one microbatch a step' if given != '--grad_accum' else 'no accumulation'})")
     for name in ("learning_rate", "device_memory_gb"):
         value = values(name)
         if value is not None and not (value > 0 and math.isfinite(value)):

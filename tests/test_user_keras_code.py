@@ -714,3 +714,14 @@ def test_bad_fit_inputs_are_one_line_before_any_step(case):
     with pytest.raises(ValueError, match=message):
         call(model)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("argv, named", [(["--microbatches", "0"], "--microbatches"),
+                                         (["--microbatches=0"], "--microbatches"),
+                                         (["--grad_accum", "0"], "--grad_accum")])
+def test_a_zero_accumulation_flag_is_named_as_typed(monkeypatch, argv, named):
+    """Issue 70: ``--microbatches 0`` got an error naming ``--grad_accum``."""
+    from dtk import cli  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr("sys.argv", ["train_lm.py", *argv])
+    with pytest.raises(cli.UsageError, match=rf"^{named} must be a positive integer; got 0"):
+        cli.check_shared_flags(lambda name: 0 if name == "grad_accum" else None)
