@@ -771,7 +771,7 @@ DISTRIBUTE_CASES = [
         x=DS.batch(16).repeat(), y=None, batch_size=None, steps_per_epoch=3, epochs=2),
      "accepted", None, True),
     ("fit an unbatched dataset", lambda: _dfit(x=DS, y=None, batch_size=None), "clear",
-     ValueError, "is incompatible with the layer"),
+     ValueError, "the tf.data dataset is not batched"),
     ("fit validation_split", lambda: _same_as_plain(validation_split=0.25, epochs=2),
      "accepted", None, True),
     ("fit validation_split on a dataset", lambda: _dfit(x=DS.batch(16), y=None, batch_size=None,

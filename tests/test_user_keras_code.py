@@ -596,6 +596,8 @@ def test_indices_into_the_whole_batch_are_refused_with_the_per_example_form():
 
 
 # --- The ops users call (BUILD.md, "Your own Keras code": the scan and its table) ------------
+# (tf.math.cumsum passed alone, 4 runs, and failed once in a whole-suite run, cause not found:
+# it is not in this table until it is understood; BUILD.md says so.)
 
 OPS = {
     "gather": lambda h: tf.gather(h, [3, 1, 0], axis=1),
@@ -604,8 +606,6 @@ OPS = {
     "scatter_nd": lambda h: h + tf.scatter_nd([[0], [2]], tf.ones([2, 16]), [4, 16])[:1] * h,
     "unsorted_segment_sum": lambda h: tf.transpose(
         tf.math.unsorted_segment_sum(tf.transpose(h), [0, 1] * 8, 2)),
-    "cumsum": lambda h: tf.math.cumsum(h, axis=1),
-    "cumsum_over_batch": lambda h: tf.math.cumsum(h, axis=0),
     "one_hot": lambda h: tf.one_hot(tf.argmax(h, 1), 16) * h,
     "argsort": lambda h: tf.gather(h, tf.argsort(h[0]), axis=1),
     "sort": lambda h: tf.sort(h, axis=1),

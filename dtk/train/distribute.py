@@ -295,6 +295,9 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 message = ops.explain_failure(e)
                 if message is None:
                     raise
+                # The failed step poisoned the eager executor ("This error cancels all future
+                # operations"): cleared, so that the process can go on (the next model's ops).
+                tf.experimental.async_clear_error()
                 raise ValueError(message) from None
             finally:
                 if _name == "fit":
