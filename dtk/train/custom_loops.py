@@ -83,13 +83,14 @@ def mark_graph(mesh: dtensor.Mesh) -> None:
         mesh_calls.constants_on_mesh(mesh)  # host constants the user's code captures
 
 
-def _storage(variable: Any) -> Any:
-    return getattr(variable, "_variable", variable)  # under a mixed precision AutoCastVariable
+def storage(variable: Any) -> Any:
+    """The DVariable under a mixed precision AutoCastVariable (the variable itself otherwise)."""
+    return getattr(variable, "_variable", variable)
 
 
 def _mesh_of_variables(variables) -> dtensor.Mesh | None:
     for variable in variables:
-        layout = getattr(_storage(variable), "layout", None)
+        layout = getattr(storage(variable), "layout", None)
         if isinstance(layout, dtensor.Layout):
             return layout.mesh
     return None
@@ -98,7 +99,7 @@ def _mesh_of_variables(variables) -> dtensor.Mesh | None:
 def _on_mesh(variable: tf.Variable) -> bool:
     with tf.init_scope():
         try:
-            return bool(dtensor.is_dtensor(_storage(variable).handle))
+            return bool(dtensor.is_dtensor(storage(variable).handle))
         except (ValueError, TypeError, AttributeError):
             return False
 

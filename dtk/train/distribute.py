@@ -222,7 +222,6 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
     checkpoint.read_sharded_variables_whole()  # get_weights, save_weights(.h5), v.numpy()
     state = MeshState(mesh, batch_axis)
-    state.seed = int(seed)
     state.generator = randomness.step_generator(model, seed=seed)
     object.__setattr__(model, "_dtk_mesh_state", state)
     cls_compile = type(model).compile
@@ -289,7 +288,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             keyed = _name == "fit" and _shuffles_arrays(args, kwargs) and any(
                 isinstance(c, CheckpointCallback) for c in tf.nest.flatten(given or []))
             try:
-                with _epochs_shuffled_by_key(state) if keyed else contextlib.nullcontext():
+                with _shuffles_resumable(state) if keyed else contextlib.nullcontext():
                     return _method(self, *args, **kwargs)
             except tf.errors.InvalidArgumentError as e:  # raised where the step is read back
                 message = ops.explain_failure(e)
@@ -364,7 +363,7 @@ def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _epochs_shuffled_by_key(state: MeshState):
+def _shuffles_resumable(state: MeshState):
     """Keras's per-epoch shuffle of arrays, resumable: Keras draws epoch ``e``'s order as the
     ``e``-th draw of one stateful shuffle op, whose stream a new process starts again, so a
     resumed run would see other orders than the uninterrupted one. Here the same op (the seeds
@@ -725,9 +724,7 @@ def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
     optimizer._dtk_mesh_updates = True  # pylint: disable=protected-access
 
 
-def _storage(variable: tf.Variable) -> tf.Variable:
-    """The DVariable under a mixed precision AutoCastVariable (the variable itself otherwise)."""
-    return getattr(variable, "_variable", variable)
+_storage = custom_loops.storage  # the DVariable under a mixed precision AutoCastVariable
 
 
 class _ShardedUpdate:

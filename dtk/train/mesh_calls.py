@@ -45,8 +45,7 @@ class MeshState:
         # CheckpointCallback's signal handlers and the directory's lock are released.
         self.at_fit_end: list[Callable[[], Any]] = []
         self.host: Any = None  # leading string preprocessing layers run on the host
-        self.seed = 0  # distribute(seed=): keys the epochs' shuffles under CheckpointCallback
-        # The epoch whose order the next shuffle draws (a host variable; dtk.distribute's fit
+        # Epochs the next shuffle of arrays draws past (a host variable; dtk.distribute's fit
         # with CheckpointCallback and shuffle=True), set by the callback when it resumes.
         self.shuffle_epoch: tf.Variable | None = None
 
