@@ -549,21 +549,40 @@ def _text_vectorization():
                                 tf_keras.layers.Dense(2, name="d2")])
 
 
+def _normalization():
+    normalize = tf_keras.layers.Normalization()
+    normalize.adapt(np.random.default_rng(1).normal(3.0, 2.0, (64, 3)))
+    return tf_keras.Sequential([tf_keras.Input((3,)), normalize,
+                                tf_keras.layers.Dense(4, name="d1"), tf_keras.layers.Dense(2, name="d2")])
+
+
+def _discretization():
+    bins = tf_keras.layers.Discretization(num_bins=4, output_mode="one_hot")
+    bins.adapt(np.random.default_rng(1).normal(3.0, 2.0, (64, 1)))
+    return tf_keras.Sequential([tf_keras.Input((1,)), bins,
+                                tf_keras.layers.Dense(4, name="d1"), tf_keras.layers.Dense(2, name="d2")])
+
+
 PREPROCESSING = {"StringLookup": (_string_lookup, "words"), "IntegerLookup": (_integer_lookup, "ints"),
-                 "Hashing": (_hashing, "ints"), "TextVectorization": (_text_vectorization, "text")}
+                 "Hashing": (_hashing, "ints"), "TextVectorization": (_text_vectorization, "text"),
+                 "Normalization": (_normalization, "floats"),
+                 "Discretization": (_discretization, "float")}
 
 
 @pytest.mark.parametrize("spec", MESHES)
 @pytest.mark.parametrize("case", sorted(PREPROCESSING))
-def test_string_and_lookup_preprocessing_runs_on_the_host_with_keras_numbers(case, spec):
+def test_preprocessing_layers_adapted_in_the_factory_train_with_keras_numbers(case, spec):
     """StringLookup adapted in the factory failed ("you must set the layer's vocabulary");
-    TextVectorization failed at the first step on 'tf.StringLower'. They run on the host now,
-    on the raw inputs fit/evaluate/predict and an eager call take."""
+    TextVectorization failed at the first step on 'tf.StringLower'. The string and lookup layers
+    run on the host now, on the raw inputs fit/evaluate/predict and an eager call take;
+    Normalization and Discretization, adapted in the factory too, run in the step."""
     factory, kind = PREPROCESSING[case]
     rng = np.random.default_rng(0)
     x = {"words": _WORDS[rng.integers(0, 4, (72, 1))],
          "ints": rng.integers(0, 6, (72, 1)),
-         "text": np.array([[" ".join(_WORDS[rng.integers(0, 4, 3)])] for _ in range(72)])}[kind]
+         "text": np.array([[" ".join(_WORDS[rng.integers(0, 4, 3)])] for _ in range(72)]),
+         "floats": rng.normal(3.0, 2.0, (72, 3)).astype("float32"),
+         "float": rng.normal(3.0, 2.0, (72, 1)).astype("float32")}[kind]
     y = rng.integers(0, 2, 72)
 
     def run(model):
@@ -616,6 +635,8 @@ OPS = {
     "argsort": lambda h: tf.gather(h, tf.argsort(h[0]), axis=1),
     "sort": lambda h: tf.sort(h, axis=1),
     "top_k": lambda h: tf.math.top_k(h, 4).values,
+    "concat": lambda h: tf.concat([h, 2.0 * h[:, :8]], axis=1),
+    "cumsum": lambda h: tf.math.cumsum(h, axis=1),
 }
 
 
@@ -654,6 +675,33 @@ def test_the_ops_users_call_train_on_the_sharded_meshes(op):
         got = run(dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0,
                                  allow_replicated=True))
         np.testing.assert_allclose(got, want, **TOL, err_msg=spec)
+
+
+def test_a_split_along_a_model_sharded_dim_is_refused_with_its_layer_and_the_fix():
+    """DTensor cannot split a tensor along a dim sharded over ``model`` (the output of a Dense
+    layer whose kernel columns are split): a raw "Spliting over sharded dimension is not
+    supported" MLIR error before; on ``data_parallel`` the same model trains."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 12)).astype("float32"), rng.integers(0, 2, 32)
+
+    class Swap(tf_keras.layers.Layer):
+        def call(self, h):
+            return tf.concat(tf.split(h, [6, 10], axis=1)[::-1], axis=1)
+
+    def factory():
+        return tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(16, name="d1"),
+                                    Swap(name="swap"), tf_keras.layers.Dense(2, name="out")])
+
+    def fit(spec):
+        model = dtk.distribute(factory, dtk.build_mesh(spec), layout=_layout(spec), seed=0)
+        model.compile("sgd", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"]
+
+    with pytest.raises(ValueError, match=r"^Split in op scope '[^']*swap[^']*' cuts or joins a "
+                       r"tensor along a dim that is sharded over a mesh axis.*"
+                       r"layout='data_parallel'"):
+        fit("batch=4,model=2")
+    assert np.isfinite(fit("batch=8")).all()
 
 
 # --- Keras's weight accessors on every layout dtk makes (issue 70) ---------------------------

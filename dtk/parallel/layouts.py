@@ -707,6 +707,17 @@ HOST_INPUT_LAYERS = ("TextVectorization", "StringLookup", "IntegerLookup", "Hash
                      "HashedCrossing")
 
 
+def runs_on_host(layer: Any) -> bool:
+    """Whether ``dtk.distribute`` runs ``layer`` on the host when it leads a ``Sequential``:
+    ``HOST_INPUT_LAYERS``, and a ``Discretization`` dtk cannot compute in the step (its
+    ``Bucketize`` has no DTensor layout; dtk's replacement covers ``output_mode='int'`` with bin
+    boundaries only)."""
+    name = type(layer).__name__
+    if name == "Discretization":
+        return layer.output_mode != "int" or layer.bin_boundaries is None
+    return name in HOST_INPUT_LAYERS
+
+
 class HostInputsFirst(Exception):
     """``build_model(host_inputs=True)`` of a ``Sequential`` whose first layer is one of
     ``HOST_INPUT_LAYERS``: the caller splits them off to the host (``dtk.train.host_inputs``)."""
@@ -781,7 +792,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
     reference, lazy = _reference_model(model_factory, input_shape, mesh, seed=seed,
                                        dtype=input_dtype)
     if host_inputs and isinstance(reference, tf_keras.Sequential) and reference.layers and \
-            type(reference.layers[0]).__name__ in HOST_INPUT_LAYERS:
+            runs_on_host(reference.layers[0]):
         raise HostInputsFirst(reference.layers[0].name)
     op_support.check_layers(reference)  # before the laid-out build, whose errors name no layer
     plan = _plan_model(load_table(table), mesh, reference, strict=strict,

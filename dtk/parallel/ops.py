@@ -107,6 +107,10 @@ UNSUPPORTED_OPS: dict[str, UnsupportedOp] = {u.op: u for u in (
 
 _PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
 _STATEFUL_RANDOM = "Stateful random operations are not supported"
+# DTensor's Split and Concat over a dim that is sharded (a Dense layer's output whose kernel
+# columns are split over "model", cut or joined along its last dim).
+_SHARDED_DIM = {"Spliting over sharded dimension is not supported": ("Split", "SplitV"),
+                "Concat op SPMD with concat dimension in sharded dimension": ("ConcatV2",)}
 _PAST_THE_SHARD = re.compile(r"indices\[[\d,]+\] = \[[^\]]*\] does not index into shape "
                              r"\[[^\]]*\]")
 
@@ -1105,6 +1109,16 @@ def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str |
                 "whole batch (a tf.range over the batch, flattened positions) go past them; "
                 "index per example instead (tf.gather(..., batch_dims=1), "
                 "tf.gather_nd(..., batch_dims=1)); nothing was trained by this step")
+    for words, ops in _SHARDED_DIM.items():
+        if words in message:
+            scopes = _scopes(graph, lambda o, ops=ops: o.type in ops and o.outputs and  # not shapes
+                             o.outputs[0].dtype.is_floating) if graph is not None else []
+            return (f"{ops[0].removesuffix('V2')}{f' in {_shown(scopes)}' if scopes else ''} "
+                    "cuts or joins a tensor along a dim that is sharded over a mesh axis (a "
+                    "layer's output whose kernel columns the layout splits over 'model'), which "
+                    "DTensor cannot do; keep that layer's kernel whole on that axis (a layout "
+                    "rule that replicates it, or layout='data_parallel'), or split and join "
+                    "along another dim; nothing was trained by this step")
     if _STATEFUL_RANDOM in message:
         uncovered = randomness.uncovered_random_ops(graph) if graph is not None else {}
         return _random_refusal(sorted({t for types_ in uncovered.values() for t in types_}),

@@ -1,7 +1,8 @@
 """String and lookup preprocessing layers at the front of a model, run on the host.
 
 ``TextVectorization``, ``StringLookup``, ``IntegerLookup`` and ``Hashing`` compute with string
-and hash-table ops that DTensor cannot lay out (``'tf.StringLower' op does not implement layout
+and hash-table ops that DTensor cannot lay out (``Discretization`` with ``Bucketize``, where dtk's
+in-step replacement does not cover its mode) (``'tf.StringLower' op does not implement layout
 propagation``; a lookup's table is a host resource). Keras's own advice is to run them in the
 input pipeline; ``dtk.distribute`` does it for the user: when a ``Sequential`` model starts with
 such layers, they stay plain (adapted as the factory adapted them) and run on each batch on the
@@ -22,10 +23,9 @@ import tf_keras
 _log = logging.getLogger("dtk")
 
 
-def _host_classes() -> tuple[type, ...]:
-    from dtk.parallel.layouts import HOST_INPUT_LAYERS  # pylint: disable=g-import-not-at-top
-    return tuple(getattr(tf_keras.layers, name) for name in HOST_INPUT_LAYERS
-                 if hasattr(tf_keras.layers, name))
+def _on_host(layer: Any) -> bool:
+    from dtk.parallel.layouts import runs_on_host  # pylint: disable=g-import-not-at-top
+    return runs_on_host(layer)
 
 
 def split(model_factory: Callable[[], tf_keras.Model], seed: int
@@ -51,11 +51,10 @@ def split(model_factory: Callable[[], tf_keras.Model], seed: int
             "it built before: dtk runs leading string preprocessing layers on the host and needs "
             "the same built model from every call (give the Sequential an Input)")
     layers = plain.layers
-    hosts = _host_classes()
     count = 0
-    while count < len(layers) and isinstance(layers[count], hosts):
+    while count < len(layers) and _on_host(layers[count]):
         count += 1
-    later = [layer for layer in layers[count:] if isinstance(layer, hosts)]
+    later = [layer for layer in layers[count:] if _on_host(layer)]
     if later:
         raise ValueError(
             f"layer {later[0].name!r} ({type(later[0]).__name__}) comes after layers dtk lays out "
