@@ -111,6 +111,7 @@ _STATEFUL_RANDOM = "Stateful random operations are not supported"
 # columns are split over "model", cut or joined along its last dim).
 _SHARDED_DIM = {"Spliting over sharded dimension is not supported": ("Split", "SplitV"),
                 "Concat op SPMD with concat dimension in sharded dimension": ("ConcatV2",)}
+_GATHER_LAYOUTS = "input and output layout do not agree on non-axis dim"
 _PAST_THE_SHARD = re.compile(r"indices\[[\d,]+\] = \[[^\]]*\] does not index into shape "
                              r"\[[^\]]*\]")
 
@@ -1119,6 +1120,15 @@ def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str |
                     "DTensor cannot do; keep that layer's kernel whole on that axis (a layout "
                     "rule that replicates it, or layout='data_parallel'), or split and join "
                     "along another dim; nothing was trained by this step")
+    if _GATHER_LAYOUTS in message and "ResourceGather" in message:
+        scopes = _scopes(graph, lambda o: o.type == "ResourceGather") if graph is not None else []
+        return (f"an embedding lookup (ResourceGather{f' in {_shown(scopes)}' if scopes else ''})"
+                " feeds a layer that the layout shards over a mesh axis (a Dense whose kernel "
+                "rows are split over 'model'), and DTensor cannot gather from a table laid out "
+                "otherwise into that sharding; shard the table's output dim over the same axis "
+                "(a layout rule for the Embedding's 'embeddings' with dims [unsharded, model]), "
+                "or lay the consumer out replicated (layout='data_parallel'); nothing was trained "
+                "by this step")
     if _STATEFUL_RANDOM in message:
         uncovered = randomness.uncovered_random_ops(graph) if graph is not None else {}
         return _random_refusal(sorted({t for types_ in uncovered.values() for t in types_}),
