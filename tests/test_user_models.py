@@ -422,8 +422,10 @@ APPLICATIONS = {
 # in the fast lane above.
 @pytest.mark.slow
 @pytest.mark.zoo
-@pytest.mark.parametrize("name, spec", [("EfficientNetB0", "batch=8"), ("MobileNetV2", "batch=8"),
-                                        ("DenseNet121", "batch=4,model=2")])
+# On 4 of the 8 devices: the step's compile grows with the devices it is instantiated on
+# (DenseNet121: 26.9 s on 2, 44.5 s on 8), and the SPMD program is the same.
+@pytest.mark.parametrize("name, spec", [("EfficientNetB0", "batch=4"), ("MobileNetV2", "batch=4"),
+                                        ("DenseNet121", "batch=2,model=2")])
 def test_application_step_equals_one_device(name, spec):
     """One SGD step of the real application on ``spec`` equals plain tf_keras on one device
     (BatchNormalization unfused there too, as dtk runs it): the loss to 1e-5, the whole update
@@ -509,8 +511,8 @@ def _efficientnet_half(dropout: float):
 
 # The application resumed onto another mesh (with its dropout and stochastic depth), and its twin
 # without random layers for one device's float32 spread. DenseNet121 (no random layer) is held to
-# one device directly on batch=4,model=2 in test_application_step_equals_one_device, and
-# EfficientNetB0 itself there on batch=8; a second application here took 309 s of CI for the same
+# one device directly on batch=2,model=2 in test_application_step_equals_one_device, and
+# EfficientNetB0 itself there on batch=4; a second application here took 309 s of CI for the same
 # resume, B0 itself 145-178 s (BUILD.md, "Test budget").
 RESUMED_APPLICATION = (lambda: _efficientnet_half(0.2), lambda: _efficientnet_half(0.0))
 LR = 0.05
