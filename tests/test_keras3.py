@@ -684,3 +684,86 @@ def test_export_and_model_checkpoint_of_a_sharded_model_serve_in_plain_tensorflo
     plain = _guide_model()
     plain.load_weights(tmp_path / "w-2.weights.h5")
     _close(trained, plain.get_weights(), "ModelCheckpoint(save_weights_only=True)")
+
+
+# --- A user's own Keras code (issue 69) on Keras 3: the kinds tf_keras's tests hold ---------------
+class _TopK(layers.Layer):
+    def call(self, h):
+        return tf.math.top_k(h, 4).values
+
+
+class _Eye(layers.Layer):  # PointNet's regularizer keeps tf.eye made at build time
+    def build(self, input_shape):
+        self.eye = tf.eye(int(input_shape[-1]))
+
+    def call(self, h):
+        return tf.matmul(h, self.eye + 1.0)
+
+
+class _Constant(layers.Layer):  # a numpy array held by the layer
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = np.linspace(0.0, 1.0, 16).astype("float32")
+
+    def call(self, h):
+        return h * self.scale
+
+
+class HolderModel(keras.Model):  # a subclassed model holding an unbuilt Sequential
+    def __init__(self):
+        super().__init__()
+        self.body = keras.Sequential([layers.Dense(16, name="d1"), layers.Dense(2, name="d2")])
+
+    def call(self, x):
+        return self.body(x)
+
+
+def _with(middle):
+    return lambda: keras.Sequential([keras.Input((12,)), layers.Dense(16, name="d1"), middle(),
+                                     layers.Flatten(), layers.Dense(2, name="d2")])
+
+
+def _holder_called():
+    model = HolderModel()
+    model(np.zeros((1, 12), "float32"))
+    return model
+
+
+KERAS3_KINDS = {  # factory, dtk.distribute's extra arguments
+    "top_k": (_with(_TopK), {}),
+    "keras_ops_top_k": (_with(lambda: layers.Lambda(lambda h: keras.ops.top_k(h, 4)[0])), {}),
+    "tf_eye_at_build": (_with(_Eye), {}),
+    "numpy_constant": (_with(_Constant), {}),
+    "subclassed_called_in_the_factory": (_holder_called, {}),
+    "subclassed_with_input_shape": (HolderModel, {"input_shape": (12,)}),
+}
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+@pytest.mark.parametrize("kind", sorted(KERAS3_KINDS))
+def test_users_own_keras3_code_trains_with_plain_keras_numbers(kind, spec):
+    """Issue 69's kinds through ``dtk.distribute`` of a Keras 3 factory: ``tf.math.top_k`` and
+    ``keras.ops.top_k`` (dtk's gradient, as for tf_keras), a ``tf.eye`` made at build time and a
+    numpy constant (copied to the mesh), subclassed models built by a call in the factory or by
+    ``input_shape``: Keras 3's ``fit`` equals plain Keras 3 (1e-5). Where the layout shards
+    ``top_k``'s input dim for a row-sharded consumer (``batch=4,model=2``), one line names it."""
+    factory, extra = KERAS3_KINDS[kind]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 12)).astype("float32"), rng.integers(0, 2, 64)
+
+    def fit(model):
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    model = dtk.distribute(factory, spec, layout="mlp_model_parallel", seed=0,
+                           allow_replicated=True, **extra)
+    if "top_k" in kind and "model" in spec:
+        with pytest.raises(ValueError, match=r"^TopK in op scope '[^']*' selects the top k "
+                           r"along a dim that is sharded over a mesh axis"):
+            fit(model)
+        return
+    got = fit(model)
+    keras.utils.set_random_seed(0)
+    want = fit(factory() if not extra else _holder_called())
+    _close(want, got, kind)

@@ -296,7 +296,8 @@ def test_tf_nn_dropout_and_tf_random_in_a_layer_draw_the_same_on_every_mesh():
 
 def test_a_random_op_dtensor_cannot_run_is_refused_with_its_layer():
     with pytest.raises(ValueError, match=r"random op\(s\) Multinomial in op scope "
-                       r"'[^']*jitter[^']*'.*tf.nn.dropout or Keras's random layers"):
+                       r"'[^']*jitter[^']*'.*Keras's random layers, on tf_keras .*"
+                       r"tf.nn.dropout, on Keras 3 with keras.random"):
         _fit_random("batch=8", lambda: _random_model(categorical=True))
 
 

@@ -109,8 +109,12 @@ _PROPAGATION = re.compile(r"'tf\.(\w+)' op does not implement layout propagation
 _STATEFUL_RANDOM = "Stateful random operations are not supported"
 # DTensor's Split and Concat over a dim that is sharded (a Dense layer's output whose kernel
 # columns are split over "model", cut or joined along its last dim).
-_SHARDED_DIM = {"Spliting over sharded dimension is not supported": ("Split", "SplitV"),
-                "Concat op SPMD with concat dimension in sharded dimension": ("ConcatV2",)}
+_SHARDED_DIM = {"Spliting over sharded dimension is not supported":
+                (("Split", "SplitV"), "cuts or joins a tensor"),
+                "Concat op SPMD with concat dimension in sharded dimension":
+                (("ConcatV2",), "cuts or joins a tensor"),
+                "last dimensions of TopKV2Op outputs should be UNSHARDED":
+                (("TopKV2",), "selects the top k")}
 _GATHER_LAYOUTS = "input and output layout do not agree on non-axis dim"
 _PAST_THE_SHARD = re.compile(r"indices\[[\d,]+\] = \[[^\]]*\] does not index into shape "
                              r"\[[^\]]*\]")
@@ -1110,16 +1114,17 @@ def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str |
                 "whole batch (a tf.range over the batch, flattened positions) go past them; "
                 "index per example instead (tf.gather(..., batch_dims=1), "
                 "tf.gather_nd(..., batch_dims=1)); nothing was trained by this step")
-    for words, ops in _SHARDED_DIM.items():
+    for words, (ops, does) in _SHARDED_DIM.items():
         if words in message:
             scopes = _scopes(graph, lambda o, ops=ops: o.type in ops and o.outputs and  # not shapes
                              o.outputs[0].dtype.is_floating) if graph is not None else []
             return (f"{ops[0].removesuffix('V2')}{f' in {_shown(scopes)}' if scopes else ''} "
-                    "cuts or joins a tensor along a dim that is sharded over a mesh axis (a "
-                    "layer's output whose kernel columns the layout splits over 'model'), which "
-                    "DTensor cannot do; keep that layer's kernel whole on that axis (a layout "
-                    "rule that replicates it, or layout='data_parallel'), or split and join "
-                    "along another dim; nothing was trained by this step")
+                    f"{does} along a dim that is sharded over a mesh axis (a layer's output "
+                    "whose kernel columns the layout splits over 'model', or one read by a "
+                    "layer whose kernel rows it splits), which DTensor cannot do; keep those "
+                    "kernels whole on that axis (a layout rule that replicates them, or "
+                    "layout='data_parallel'), or work along another dim; nothing was trained "
+                    "by this step")
     if _GATHER_LAYOUTS in message and "ResourceGather" in message:
         scopes = _scopes(graph, lambda o: o.type == "ResourceGather") if graph is not None else []
         return (f"an embedding lookup (ResourceGather{f' in {_shown(scopes)}' if scopes else ''})"
@@ -1139,7 +1144,8 @@ def explain_failure(message: Any, model: Any = None, graph: Any = None) -> str |
 def _random_refusal(kinds: list[str], scopes: list[str]) -> str:
     where = f" in {_shown(scopes)}" if scopes else ""
     return (f"random op(s) {', '.join(kinds)}{where}: DTensor cannot run them on a mesh (a "
-            "stateful draw, or one it cannot lay out); draw with tf.random.uniform / normal / "
-            "truncated_normal, tf.nn.dropout or Keras's random layers (dtk draws those the same "
-            "on every mesh), or draw on the host, in the input pipeline")
+            "stateful draw, or one it cannot lay out); draw with Keras's random layers, on tf_keras "
+            "with tf.random.uniform / normal / truncated_normal or tf.nn.dropout, on Keras 3 with "
+            "keras.random.* and a keras.random.SeedGenerator (dtk draws those the same on every "
+            "mesh), or draw on the host, in the input pipeline")
 

@@ -401,6 +401,8 @@ def distribute_model(model_factory, mesh, *, layout="data_parallel", seed: int =
                                                     batch_dim_name=batch_axis)
     if shard_optimizer_state is False:
         distribution._dtk_shard_optimizer_state = False  # pylint: disable=protected-access
+    from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
+    ops.install_equivalents()  # before the factory: a layer may keep the function itself
     keras.utils.set_random_seed(seed)
     with distribution.scope():
         model = model_factory()
@@ -620,6 +622,19 @@ def _apply(self, grads, trainable_variables=None):
     propagation may push the slots' layout back into the gradient's producer)."""
     variables = trainable_variables if trainable_variables is not None else \
         self._trainable_variables  # pylint: disable=protected-access
+    if _distribution() is None and any(getattr(v, "_dtk_layout", None) is not None
+                                       for v in variables or ()):
+        # A custom loop's optimizer made outside the model's distribution (dtk.distribute keeps
+        # it on the model): its step counter and slots would be plain variables on one device
+        # beside the mesh's weights, and the update silently another one.
+        raise ValueError(
+            f"optimizer {type(self).__name__} applies gradients to weights laid out on a mesh, "
+            "outside any keras.distribution distribution (a custom training loop on a "
+            "dtk.distribute Keras 3 model, whose distribution stays with the model): set the "
+            "distribution as keras.io's distribution guide does "
+            "(keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map="
+            "dtk.layout_map(mesh, table)))), then build the model and make the optimizer and "
+            "metrics; or train with model.fit, which runs under the model's distribution")
     if _distribution() is not None and not tf.executing_eagerly():
         grads = [g if g is None or getattr(v, "_dtk_layout", None) is None or
                  isinstance(g, tf.IndexedSlices)
@@ -1052,10 +1067,13 @@ def _make_function(self, step_function):
     state = _mesh_state(distribution)
     _check_jit(self)
     _check_layout_map(self, distribution)
+    from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
+
     def step(data):
         _IN_STEP.append(True)
         try:
-            return step_function(data)
+            with ops.during_steps():  # tf.math.top_k, tf.one_hot, ...: dtk's equivalents
+                return step_function(data)
         finally:
             _IN_STEP.pop()
 
@@ -1087,10 +1105,13 @@ def _make_predict_function(self, force: bool = False):
     state = _mesh_state(distribution)
     _check_jit(self)
 
+    from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
+
     def step(data):
         _IN_STEP.append(True)
         try:
-            outputs = self.predict_step(data)
+            with ops.during_steps():
+                outputs = self.predict_step(data)
         finally:
             _IN_STEP.pop()
         return tf.nest.map_structure(
