@@ -120,6 +120,8 @@ def enable_keras_distribution(*, virtual_devices: int | None = None) -> None:
     core.Variable.__array__ = lambda self, dtype=None, copy=None: np.asarray(
         _variable_numpy(self), dtype)
     core.Variable._direct_assign = _direct_assign  # pylint: disable=protected-access
+    _ENABLED["value"] = core.Variable.value.fget
+    core.Variable.value = property(_value_on_mesh)
     from keras.src.optimizers import base_optimizer  # pylint: disable=g-import-not-at-top
     _ENABLED["add_variable_from_reference"] = \
         base_optimizer.BaseOptimizer.add_variable_from_reference
@@ -529,6 +531,7 @@ def _initialize_variable(self, value) -> None:
             initial = tf.constant(checkpoint.global_value(initial), dtype=initial.dtype)
         laid_out = _place(initial, layout)
         self._dtk_layout = layout  # pylint: disable=protected-access  (read when traced)
+        self._dtk_distribution = distribution  # pylint: disable=protected-access  (custom loops)
         self._value = dtensor.DVariable(  # pylint: disable=protected-access
             laid_out, trainable=self.trainable, name=self.name,
             aggregation=self._map_aggregation(self.aggregation),  # pylint: disable=protected-access
@@ -622,15 +625,22 @@ def _apply(self, grads, trainable_variables=None):
     propagation may push the slots' layout back into the gradient's producer)."""
     variables = trainable_variables if trainable_variables is not None else \
         self._trainable_variables  # pylint: disable=protected-access
-    if _distribution() is None and any(getattr(v, "_dtk_layout", None) is not None
-                                       for v in variables or ()):
+    owner = next((getattr(v, "_dtk_distribution", None) for v in variables or ()
+                  if getattr(v, "_dtk_distribution", None) is not None), None)
+    if _distribution() is None and owner is not None:
         # A custom loop's optimizer made outside the model's distribution (dtk.distribute keeps
         # it on the model): its step counter and slots would be plain variables on one device
-        # beside the mesh's weights, and the update silently another one.
+        # beside the mesh's weights, and the update silently another one. Unused, it is made
+        # again from its config under the distribution, in place (as compile() does).
+        if _bind_in_place(self, owner):
+            with owner.scope():
+                return _apply(self, grads, trainable_variables)
         raise ValueError(
             f"optimizer {type(self).__name__} applies gradients to weights laid out on a mesh, "
             "outside any keras.distribution distribution (a custom training loop on a "
-            "dtk.distribute Keras 3 model, whose distribution stays with the model): set the "
+            "dtk.distribute Keras 3 model, whose distribution stays with the model), and it has "
+            "taken steps or built its state off the mesh already: make a new one (dtk binds an "
+            "unused optimizer to the model's mesh at its first apply), or set the "
             "distribution as keras.io's distribution guide does "
             "(keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map="
             "dtk.layout_map(mesh, table)))), then build the model and make the optimizer and "
@@ -641,6 +651,51 @@ def _apply(self, grads, trainable_variables=None):
                  else dtensor.relayout(g, v._dtk_layout)  # pylint: disable=protected-access
                  for g, v in zip(grads, variables)]
     return _ENABLED["apply"](self, grads, trainable_variables)
+
+
+def _bind_in_place(optimizer, distribution) -> bool:
+    """An unused optimizer made again from its config under ``distribution``, in place: True;
+    False when it has state already (built, or a step taken)."""
+    with tf.init_scope():
+        if optimizer.built or int(optimizer.iterations.numpy()):
+            return False
+        with distribution.scope():
+            fresh = type(optimizer).from_config(optimizer.get_config())
+    vars(optimizer).clear()
+    vars(optimizer).update(vars(fresh))
+    return True
+
+
+def _graph_mesh() -> dtensor.Mesh | None:
+    """The mesh of a laid-out Keras 3 model called in the graph being traced, or in a graph
+    around it (``_model_call_scoped`` records it)."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        mesh = getattr(graph, "_dtk_mesh", None)
+        if mesh is not None:
+            return mesh
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _value_on_mesh(self):
+    """``Variable.value``: a plain variable read in a trace where a laid-out model runs (a
+    custom loop's metric made before the distribution) first moves onto that mesh, replicated,
+    with its value, so that it counts each example once (it counted one device's shard)."""
+    value = self._value  # pylint: disable=protected-access
+    if value is not None and not isinstance(value, dtensor.DVariable) and \
+            isinstance(value, tf.Variable) and not tf.executing_eagerly():
+        mesh = _graph_mesh()
+        if mesh is not None:
+            with tf.init_scope():
+                held = value.read_value()
+                layout = dtensor.Layout.replicated(mesh, held.shape.rank)
+                self._dtk_layout = layout  # pylint: disable=protected-access
+                self._value = dtensor.DVariable(  # pylint: disable=protected-access
+                    dtensor.copy_to_mesh(held, layout), trainable=value.trainable,
+                    name=self.name, aggregation=value.aggregation,
+                    synchronization=value.synchronization)
+    return _ENABLED["value"](self)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -869,6 +924,10 @@ def _model_call(self, *args, **kwargs):
 
 @tf.autograph.experimental.do_not_convert
 def _model_call_scoped(self, *args, **kwargs):
+    if not tf.executing_eagerly() and _on_mesh(self):
+        distribution = getattr(self, "_dtk_distribution", None) or _distribution()
+        if distribution is not None:  # for the plain metrics of a custom loop (_value_on_mesh)
+            tf.compat.v1.get_default_graph()._dtk_mesh = _mesh_state(distribution).mesh  # pylint: disable=protected-access
     with _scope_of(self):
         return _model_call(self, *args, **kwargs)
 
