@@ -820,3 +820,37 @@ def test_a_custom_loop_on_a_distributed_keras3_model_binds_its_optimizer_and_met
     with pytest.raises(ValueError, match=r"optimizer SGD applies gradients to weights laid out "
                        r"on a mesh.*make a new one"):
         _keras3_custom_loop(model, list(dtk.batches_on_mesh(dataset, model)), stepped)
+
+
+class _TfDropout(layers.Layer):  # keras.io's subclassing guide's own dropout, in a Keras 3 layer
+    def call(self, h, training=None):
+        return tf.nn.dropout(h, 0.3) if training else h
+
+
+def _string_lookup_model():
+    lookup = layers.StringLookup(output_mode="one_hot")
+    lookup.adapt(np.array(["red", "green", "blue", "cyan"]))
+    return keras.Sequential([keras.Input((1,), dtype="string"), lookup,
+                             layers.Dense(4, name="d1"), layers.Dense(2, name="d2")])
+
+
+@pytest.mark.parametrize("factory, data, refusal", [
+    (_string_lookup_model, "words",
+     r"^TensorFlow op LookupTableFindV2 used in op scope '[^']*string_lookup[^']*' has no "
+     r"DTensor layout propagation.*in the input pipeline"),
+    (_with(_TfDropout), "numbers",
+     r"^random op\(s\) RandomUniform in op scope '[^']*tf_dropout[^']*'.*on Keras 3 with "
+     r"keras.random")], ids=["string_lookup", "tf_nn_dropout"])
+def test_keras3_code_dtensor_cannot_run_is_one_line_naming_the_layer(factory, data, refusal):
+    """On Keras 3, a StringLookup inside the model (Keras 3 takes strings from tf.data) and
+    tf.nn.dropout in a layer's call are refused before anything trains, naming the layer and
+    the way on (the input pipeline; keras.random with a SeedGenerator, which dtk draws the same
+    on every mesh)."""
+    rng = np.random.default_rng(0)
+    x = {"words": np.array(["red", "green", "blue", "cyan"])[rng.integers(0, 4, (32, 1))],
+         "numbers": rng.normal(size=(32, 12)).astype("float32")}[data]
+    dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 2, 32))).batch(16)
+    model = dtk.distribute(factory, "batch=8", seed=0, allow_replicated=True)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=refusal):
+        model.fit(dataset, epochs=1, verbose=0)
