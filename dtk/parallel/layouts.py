@@ -1032,9 +1032,31 @@ class _nested_models:  # pylint: disable=invalid-name
                 finally:
                     model._layout_map = saved  # pylint: disable=protected-access
             example = args[0] if args else kwargs.get("inputs")
-            if saved is not None and not model.built and example is not None and \
-                    tf.executing_eagerly() and all(isinstance(t, (_EagerTensor, np.ndarray))
-                                                   for t in tf.nest.flatten(example)):
+            if isinstance(example, (list, tuple)) and example and all(
+                    isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+                    for v in example):
+                # A batch written as a list of numbers (keras.io's GNN: ``model([1, 10, 100])``,
+                # node indices): one tensor of them, as the model reads it (tf.gather packs
+                # the list), not one input per number.
+                example = np.asarray(example)
+                args = (example, *args[1:]) if args else args
+                kwargs = kwargs if args else {**kwargs, "inputs": example}
+            concrete = example is not None and all(isinstance(t, (_EagerTensor, np.ndarray))
+                                                   for t in tf.nest.flatten(example))
+            traced = example is not None and all(
+                (isinstance(t, tf.Tensor) and bool(t.shape.rank)) or
+                (isinstance(t, np.ndarray) and t.ndim > 0) for t in tf.nest.flatten(example))
+            if saved is not None and not model.built and traced and \
+                    not tf.executing_eagerly():
+                # A nested model called on a tensor while the enclosing model builds (keras.io's
+                # GNN: ``self.preprocess(self.node_features)``, a [nodes, features] constant,
+                # and its graph layer's ffn on the gathered neighbours): built from its shapes
+                # per row, as below (outside the graph, where its variables' initial values are
+                # made), then called as it is.
+                with tf.init_scope():
+                    _build_subclassed(model, saved, None, None, example=example)
+                return original(model, *args, **kwargs)
+            if saved is not None and not model.built and concrete:
                 # The factory builds its subclassed model by a call on a batch (keras.io:
                 # ``model(tf.zeros((1, 10), "int32"))``): built here from that batch's shapes
                 # and dtypes per example; tf_keras would take the batch dim for a feature dim
@@ -1044,8 +1066,22 @@ class _nested_models:  # pylint: disable=invalid-name
                 on_mesh = tf.nest.map_structure(
                     lambda t: dtensor.copy_to_mesh(tf.convert_to_tensor(t), dtensor.Layout.replicated(
                         mesh, np.ndim(t))), example)
-                return original(model, on_mesh, *args[1:], **kwargs) if args else \
-                    original(model, **{**kwargs, "inputs": on_mesh})
+                try:
+                    return original(model, on_mesh, *args[1:], **kwargs) if args else \
+                        original(model, **{**kwargs, "inputs": on_mesh})
+                except tf.errors.UnimplementedError as e:
+                    if "got a regular tensor" not in str(e):
+                        raise
+                # The call uses a tensor the model holds (keras.io's GNN keeps its graph's node
+                # features): eagerly a host tensor beside DTensor weights, which DTensor
+                # refuses; traced, it is copied to the mesh as a step's constants are.
+
+                @tf.function
+                def traced(inputs):
+                    op_support.constants_on_mesh(mesh)
+                    return original(model, inputs, *args[1:], **kwargs) if args else \
+                        original(model, **{**kwargs, "inputs": inputs})
+                return traced(on_mesh)
             return original(model, *args, **kwargs)
 
         tf_keras.Model.__call__ = call
@@ -1195,7 +1231,9 @@ def _build_subclassed(model: tf_keras.Model, layout_map: _PlannedLayoutMap, inpu
     from tf_keras.src.dtensor import layout_map as keras_layout_map  # pylint: disable=g-import-not-at-top
     if example is not None:
         symbolic = tf.nest.map_structure(lambda t: tf_keras.Input(
-            tuple(np.shape(t)[1:]), dtype=tf.convert_to_tensor(t).dtype), example)
+            tuple(t.shape[1:]) if isinstance(t, tf.Tensor) else tuple(np.shape(t)[1:]),
+            dtype=t.dtype if isinstance(t, tf.Tensor) else tf.convert_to_tensor(t).dtype),
+            example)
     else:
         symbolic = tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype)
     saved, model._layout_map = model._layout_map, None  # pylint: disable=protected-access

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
+from tensorflow.python.framework.ops import EagerTensor
 
 from dtk.parallel.mesh import BATCH_AXIS
 
@@ -442,6 +443,34 @@ def one_hot(indices, depth, on_value=None, off_value=None, axis=None, dtype=None
     on = tf.cast(1 if on_value is None else on_value, dtype)
     off = tf.cast(0 if off_value is None else off_value, dtype)
     return tf.where(hit, on, off)
+
+
+def constants_on_mesh(mesh: dtensor.Mesh) -> None:
+    """Makes the graph being traced capture host constants on ``mesh``, replicated: a tensor
+    user code made eagerly and uses in a step (keras.io's PointNet keeps ``tf.eye(n)`` in a
+    regularizer; a loss's class weights) would reach DTensor as a regular tensor, which it
+    refuses ("got a regular tensor for input 5 ... but was expecting a DTensor", naming no
+    layer). Each constant is copied to the mesh once per graph, when the trace first uses it.
+    (A host ``tf.Variable`` cannot be copied: it stays DTensor's error.)"""
+    graph = tf.compat.v1.get_default_graph()
+    if tf.executing_eagerly() or getattr(graph, "_dtk_constants_mesh", None) is not None or \
+            not hasattr(graph, "capture"):
+        return
+    capture = graph.capture
+    copies = {}  # id(host tensor) -> (host tensor, its copy on the mesh)
+
+    def capture_on_mesh(tensor, name=None, shape=None):
+        if isinstance(tensor, EagerTensor) and tensor.dtype not in (tf.resource, tf.variant):
+            if id(tensor) not in copies:
+                with tf.init_scope():
+                    copies[id(tensor)] = (tensor, tensor if dtensor.is_dtensor(tensor) else
+                                          dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(
+                                              mesh, tensor.shape.rank)))
+            tensor = copies[id(tensor)][1]
+        return capture(tensor, name=name, shape=shape)
+
+    graph.capture = capture_on_mesh
+    graph._dtk_constants_mesh = mesh  # pylint: disable=protected-access
 
 
 class _DuringSteps:

@@ -79,8 +79,8 @@ def mark_graph(mesh: dtensor.Mesh) -> None:
     updated there is moved onto that mesh (the tensors of a trace carry no layout yet)."""
     if not tf.executing_eagerly():
         tf.compat.v1.get_default_graph()._dtk_mesh = mesh  # pylint: disable=protected-access
-        from dtk.train import mesh_calls  # pylint: disable=g-import-not-at-top
-        mesh_calls.constants_on_mesh(mesh)  # host constants the user's code captures
+        from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
+        ops.constants_on_mesh(mesh)  # host constants the user's code captures
 
 
 def storage(variable: Any) -> Any:

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
-from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from dtk.data.input import pack
 from dtk.parallel import ops
@@ -199,34 +198,6 @@ def next_batches(iterator: Any, count: int) -> list:
 
 
 @tf.autograph.experimental.do_not_convert
-def constants_on_mesh(mesh: dtensor.Mesh) -> None:
-    """Makes the graph being traced capture host constants on ``mesh``, replicated: a tensor
-    user code made eagerly and uses in a step (keras.io's PointNet keeps ``tf.eye(n)`` in a
-    regularizer; a loss's class weights) would reach DTensor as a regular tensor, which it
-    refuses ("got a regular tensor for input 5 ... but was expecting a DTensor", naming no
-    layer). Each constant is copied to the mesh once per graph, when the trace first uses it.
-    (A host ``tf.Variable`` cannot be copied: it stays DTensor's error.)"""
-    graph = tf.compat.v1.get_default_graph()
-    if tf.executing_eagerly() or getattr(graph, "_dtk_constants_mesh", None) is not None or \
-            not hasattr(graph, "capture"):
-        return
-    capture = graph.capture
-    copies = {}  # id(host tensor) -> (host tensor, its copy on the mesh)
-
-    def capture_on_mesh(tensor, name=None, shape=None):
-        if isinstance(tensor, _EagerTensor) and tensor.dtype not in (tf.resource, tf.variant):
-            if id(tensor) not in copies:
-                with tf.init_scope():
-                    copies[id(tensor)] = (tensor, tensor if dtensor.is_dtensor(tensor) else
-                                          dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(
-                                              mesh, tensor.shape.rank)))
-            tensor = copies[id(tensor)][1]
-        return capture(tensor, name=name, shape=shape)
-
-    graph.capture = capture_on_mesh
-    graph._dtk_constants_mesh = mesh  # pylint: disable=protected-access
-
-
 class MeshCalls:
     """A Keras step (``body``: a batch on the mesh -> its logs) compiled for the mesh, called on
     host batches: the compiled function of both Kerases' ``make_*_function`` seams.
@@ -244,14 +215,14 @@ class MeshCalls:
         step = body
 
         def body(data):  # pylint: disable=function-redefined
-            constants_on_mesh(state.mesh)
+            ops.constants_on_mesh(state.mesh)
             return step(data)
 
         self.traced = tf.function(body, reduce_retracing=reduce_retracing)
         self._logs_layouts: list = []
 
         def many_body(stack):
-            constants_on_mesh(state.mesh)
+            ops.constants_on_mesh(state.mesh)
             n = int(next(t for t in tf.nest.flatten(stack) if t is not None).shape[0])
             structure, layouts_ = self._logs_layouts[0]
             zeros = tf.nest.pack_sequence_as(structure, [
