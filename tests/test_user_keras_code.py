@@ -984,6 +984,23 @@ def _bad_fit_calls():
             unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
             verbose=0), r"a dtk.DistributedDataset is dtk.Trainer's input; Keras's fit takes "
                         r"the tf.data dataset itself, batched"),
+        # issue 70: plain tf_keras refuses these too, but under dtk from inside the traced step
+        "x_and_y_lengths": (lambda m: m.fit(x, y[:30], batch_size=16, verbose=0),
+                            r"^fit: x has 32 examples, y has 30 examples; give every array"),
+        "sample_weight_length": (lambda m: m.fit(x, y, sample_weight=np.ones(30), batch_size=16,
+                                                 verbose=0),
+                                 r"^fit: x has 32 examples, y has 32 examples, sample_weight "
+                                 r"has 30 examples"),
+        "sample_weight_rank": (lambda m: m.fit(x, y, sample_weight=np.ones((32, 3)),
+                                               batch_size=16, verbose=0),
+                               r"^fit\(sample_weight=...\): shape \(32, 3\) has more dims than y "
+                               r"\(32,\); give one weight per example"),
+        "class_weight_missing_a_class_with_tf_data": (
+            lambda m: m.fit(unbatched.batch(16), class_weight={0: 1.0, 1: 2.0}, verbose=0),
+            r"^fit\(class_weight=...\): a label is 2, but class_weight has weights for classes "
+            r"\[0, 1\] only"),
+        "evaluate_x_and_y_lengths": (lambda m: m.evaluate(x[:16], y, batch_size=16, verbose=0),
+                                     r"^evaluate: x has 16 examples, y has 32 examples"),
     }
 
 
@@ -997,6 +1014,43 @@ def test_bad_fit_inputs_are_one_line_before_any_step(case):
     with pytest.raises(ValueError, match=message):
         call(model)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def _two_inputs():
+    a, b = tf_keras.Input((6,), name="a"), tf_keras.Input((6,), name="b")
+    return tf_keras.Model({"a": a, "b": b},
+                          tf_keras.layers.Dense(3)(tf_keras.layers.Concatenate()([a, b])))
+
+
+def _compiled_with_keras3_optimizer():
+    import keras  # pylint: disable=import-outside-toplevel
+    model = tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("factory, compiled, call, message", [
+    (lambda: tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(3)]), False,
+     lambda m: m.fit(np.zeros((32, 12)), np.zeros(32), batch_size=16, verbose=0),
+     r"^fit: model '\w+' is not compiled; call model.compile\(optimizer=..., loss=...\)"),
+    (_two_inputs, True,
+     lambda m: m.fit({"a": np.zeros((32, 6)), "c": np.zeros((32, 6))}, np.zeros(32),
+                     batch_size=16, verbose=0),
+     r"^fit\(x=...\): the dict's keys \['a', 'c'\] are not model '\w+''s input names "
+     r"\['a', 'b'\].*missing: \['b'\], unknown: \['c'\]"),
+    (_compiled_with_keras3_optimizer, None, None,
+     r"^model_factory compiled a tf_keras model with a Keras 3 optimizer "
+     r"\(keras.src.optimizers.adam.Adam\): tf_keras takes its own objects; use "
+     r"tf_keras.optimizers")], ids=["fit_without_compile", "wrong_dict_keys",
+                                    "keras3_optimizer_in_the_factory"])
+def test_bad_model_setups_are_one_line_before_any_step(factory, compiled, call, message):
+    """Issue 70: each was a raw or many-line error from inside the traced step (or tf_keras's
+    "Could not interpret optimizer identifier: <keras.src...>")."""
+    with pytest.raises(ValueError, match=message):
+        model = dtk.distribute(factory, dtk.build_mesh("batch=8"))
+        if compiled:
+            model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        call(model)
 
 
 @pytest.mark.parametrize("argv, named", [(["--microbatches", "0"], "--microbatches"),

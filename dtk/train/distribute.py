@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -144,6 +145,15 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                                            strict=strict, allow_replicated=allow_replicated,
                                            fsdp=fsdp)
             object.__setattr__(model, "_dtk_compiled", compiled)
+    except ValueError as e:  # tf_keras's compile in the factory, handed a Keras 3 object
+        found = re.search(r"Could not interpret (\w+) identifier: <(keras\.src\.[\w.]+)", str(e))
+        if found is None:
+            raise
+        raise ValueError(
+            f"model_factory compiled a tf_keras model with a Keras 3 {found.group(1)} "
+            f"({found.group(2).rsplit(' ', 1)[0]}): tf_keras takes its own objects; use "
+            f"tf_keras.{found.group(1)}s (tf_keras.optimizers.Adam(...)), or build the whole "
+            "model with Keras 3 (import keras), which dtk.distribute takes too") from None
     except Keras3Model:  # a Keras 3 factory: Keras 3's own distribution, by dtk's seams
         from dtk.train import keras3  # pylint: disable=g-import-not-at-top
         for name, value, default in (("fsdp", fsdp, False), ("remat", tuple(remat), ()),
@@ -280,6 +290,10 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                              class_weight=kwargs.get("class_weight"),
                              validation_split=kwargs.get("validation_split"))
             _check_data(self, _name, kwargs.get("x", args[0] if args else None), y)
+            weights_at = {"fit": 10, "evaluate": 4}.get(_name)  # sample_weight's position
+            _check_call(self, _name, kwargs.get("x", args[0] if args else None), y,
+                        kwargs.get("sample_weight", args[weights_at] if weights_at is not None
+                                   and len(args) > weights_at else None))
             if _name == "fit":
                 validation = kwargs.get("validation_data", args[7] if len(args) > 7 else None)
                 if isinstance(validation, tf.data.Dataset):
@@ -291,7 +305,8 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 with _shuffles_resumable(state) if keyed else contextlib.nullcontext():
                     return _method(self, *args, **kwargs)
             except tf.errors.InvalidArgumentError as e:  # raised where the step is read back
-                message = ops.explain_failure(e)
+                message = ops.explain_failure(e) or _explain_class_weight(
+                    e, kwargs.get("class_weight"))
                 if message is None:
                     raise
                 # The failed step poisoned the eager executor ("This error cancels all future
@@ -352,6 +367,62 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
                 f"{model.name!r}'s output (shape {tuple(outputs[0].shape)}), which the sparse "
                 f"loss needs in [0, {classes}); fix the labels, or give the last layer "
                 f"{high + 1} units")
+
+
+def _length(value: Any) -> int | None:
+    """The number of examples of an array argument (its first leaf's first dim), else None."""
+    for leaf in tf.nest.flatten(value):
+        if isinstance(leaf, np.ndarray) and leaf.ndim:
+            return int(leaf.shape[0])
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank and leaf.shape[0] is not None:
+            return int(leaf.shape[0])
+    return None
+
+
+def _check_call(model: tf_keras.Model, method: str, x: Any, y: Any, sample_weight: Any) -> None:
+    """Mistakes plain tf_keras also refuses, but from inside dtk's traced step (several lines,
+    naming dtk's frames): refused first, in one line naming the argument.
+
+    Raises:
+      ValueError: no compile() before fit/evaluate; x, y and sample_weight of different
+        lengths; a sample_weight of more dims than y's; dict inputs without the model's names.
+    """
+    if method != "predict" and not getattr(model, "_is_compiled", True):
+        raise ValueError(
+            f"{method}: model {model.name!r} is not compiled; call model.compile(optimizer=..., "
+            "loss=...) on the model dtk.distribute returned (or in the factory) first")
+    lengths = {name: _length(value) for name, value in (("x", x), ("y", y),
+                                                          ("sample_weight", sample_weight))
+               if value is not None and not isinstance(value, tf.data.Dataset)}
+    lengths = {name: n for name, n in lengths.items() if n is not None}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"{method}: " + ", ".join(f"{name} has {n} examples" for name, n in lengths.items())
+            + "; give every array the same number of examples (one row per example)")
+    if isinstance(sample_weight, np.ndarray) and y is not None and not isinstance(
+            y, (dict, list, tuple, tf.data.Dataset)) and sample_weight.ndim > max(1, np.ndim(y)):
+        raise ValueError(
+            f"{method}(sample_weight=...): shape {sample_weight.shape} has more dims than y "
+            f"{tuple(np.shape(y))}; give one weight per example (shape ({np.shape(y)[0]},)) or "
+            "per label (y's shape)")
+    names = list(getattr(model, "input_names", None) or [])
+    if isinstance(x, dict) and len(names) > 1 and set(x) != set(names):
+        raise ValueError(
+            f"{method}(x=...): the dict's keys {sorted(x)} are not model {model.name!r}'s "
+            f"input names {sorted(names)}; key each input by its Input's name (missing: "
+            f"{sorted(set(names) - set(x))}, unknown: {sorted(set(x) - set(names))})")
+
+
+def _explain_class_weight(error: Exception, class_weight: Any) -> str | None:
+    """tf_keras's class_weight lookup of a label it has no weight for, in a tf.data input's map
+    ("indices[2] = 9 is not in [0, 9)"): the label and the classes named."""
+    found = re.search(r"indices\[[\d,]+\] = (-?\d+) is not in \[0, (\d+)\)",
+                      str(getattr(error, "message", error)))
+    if not class_weight or found is None:
+        return None
+    return (f"fit(class_weight=...): a label is {found.group(1)}, but class_weight has weights "
+            f"for classes {sorted(class_weight)} only; give every class a weight (keys 0 to "
+            "the number of classes - 1)")
 
 
 def _shuffles_arrays(args: tuple, kwargs: dict) -> bool:
