@@ -261,7 +261,9 @@ def test_keras_io_fit_page(name, tmp_path):
                 rest[key], values[1:], rtol=page.rtol, atol=page.atol,
                 err_msg=f"{name}, epoch 2 resumed on batch=4,model=2 vs {label}: {key}")
         for a, b in zip(straight, weights.last):
-            np.testing.assert_allclose(b, a, rtol=page.rtol, atol=1e-5)  # near-zero weights
+            # near-zero weights: 1e-5 (float32), 1/256 of the scale in bfloat16 pages
+            np.testing.assert_allclose(b, a, rtol=page.rtol,
+                                       atol=1e-5 if page.rtol <= 1e-5 else page.rtol / 16)
 
     path = str(tmp_path / "model.keras")
     resumed.save(path)
