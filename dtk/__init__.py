@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dtk import _env, _import_hooks
+from dtk import _env, _import_hooks, _moved
 from dtk._version import __version__
 
 _env.apply_safe_defaults()
 _env.apply_library_log_defaults()
+_moved.install()  # the old module paths (dtk.launch, ...): one import hook, no files
 
 
 def _bind_custom_loop_metrics(metrics_utils) -> None:

@@ -2,14 +2,17 @@
 still imports, for this release, as the module it became, with a ``DeprecationWarning`` that
 names the new path.
 
-Each old path is a two-line file (``dtk/launch.py``) that calls ``redirect``: the old name then
-is the new module itself in ``sys.modules``, so ``from dtk.layouts import explain``,
-``dtk.ray.DTensorTrainer`` and ``python -m dtk.launch`` behave as the new paths do.
+One import hook, no files: ``import dtk`` puts ``_Finder`` on ``sys.meta_path``, which answers
+for the old names only (``MOVED``). Imported, an old name is the new module itself in
+``sys.modules``, so ``from dtk.layouts import explain``, ``dtk.ray.DTensorTrainer`` and
+``python -m dtk.launch`` behave as the new paths do.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import runpy
 import sys
 import warnings
@@ -45,22 +48,50 @@ def message(old: str, new: str) -> str:
     return f"{old} moved to {new}; import {new} instead ({old} goes in the next release)"
 
 
-def redirect(old: str, spec_name: str | None = None) -> ModuleType | None:
-    """Makes the module file of ``old`` (a key of ``MOVED``) stand for its new module.
-
-    Imported (``__name__`` is ``old``): warns and puts the new module in ``sys.modules[old]``.
-    Run as ``python -m old`` (``__name__`` is ``"__main__"``, ``spec_name`` is ``old``): says so
-    on stderr and runs the new module as ``__main__``.
-    """
-    if old == "__main__":
-        old = spec_name or ""
-        new = MOVED[old]
-        print(f"warning: python -m {old} moved to python -m {new} (the old path goes in the next "
-              "release)", file=sys.stderr, flush=True)
-        runpy.run_module(new, run_name="__main__", alter_sys=True)
-        return None
+def run_as_main(old: str) -> None:
+    """``python -m old``: says so on stderr and runs the new module as ``__main__``."""
     new = MOVED[old]
-    warnings.warn(message(old, new), DeprecationWarning, stacklevel=3)
-    module = importlib.import_module(new)
-    sys.modules[old] = module
-    return module
+    print(f"warning: python -m {old} moved to python -m {new} (the old path goes in the next "
+          "release)", file=sys.stderr, flush=True)
+    runpy.run_module(new, run_name="__main__", alter_sys=True)
+
+
+class _Loader(importlib.abc.Loader):
+    """Loads an old path as its new module (warning once per import of the old name)."""
+
+    def __init__(self, old: str):
+        self.old = old
+        self._spec = None
+
+    def create_module(self, spec) -> ModuleType:
+        new = MOVED[self.old]
+        warnings.warn(message(self.old, new), DeprecationWarning, stacklevel=4)
+        module = importlib.import_module(new)
+        self._spec = module.__spec__  # importlib sets the old spec on it next: put back below
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._spec  # the module keeps its own name, file and spec
+
+    def get_code(self, fullname: str):  # runpy: python -m <old path>
+        return compile(f"from dtk import _moved\n_moved.run_as_main({fullname!r})\n",
+                       f"<{fullname}: moved to {MOVED[fullname]}>", "exec")
+
+    def is_package(self, fullname: str) -> bool:  # pylint: disable=unused-argument
+        return False
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Answers ``find_spec`` for the old paths in ``MOVED``; None for every other name."""
+
+    def find_spec(self, fullname, path=None, target=None):  # pylint: disable=unused-argument
+        if fullname not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, _Loader(fullname),
+                                               origin=f"moved to {MOVED[fullname]}")
+
+
+def install() -> None:
+    """Puts the finder on ``sys.meta_path`` once (``import dtk`` calls it)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.append(_Finder())
