@@ -112,6 +112,21 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The smoke lane (``pytest -m smoke``, about 2 minutes on 2 cores): meshes, layout tables, the
+# import layers, the model styles (their fast tests), and one parity test each for dtk.distribute's
+# custom loop, the optimizer against an independent reference, and Keras 3's distribution.
+SMOKE_FILES = ("tests/test_mesh.py::", "tests/test_layouts.py::", "tests/test_architecture.py::",
+               "tests/test_model_styles.py::")
+SMOKE_TESTS = (
+    "tests/test_user_keras_code.py::test_the_guides_custom_loop_runs_with_one_change_and_keras_"
+    "numbers[batch=8]",
+    "tests/test_references.py::test_distributed_adamw_with_ema_equals_plain_tf_keras",
+    "tests/test_keras3.py::test_the_guides_data_parallel_equals_plain_keras",
+    "tests/test_keras3.py::test_dtk_distribute_takes_a_keras3_factory_and_equals_plain_keras"
+    "[batch=4,model=2]",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """Groups the process-starting tests (see _starts_processes); skips or requires the tests
     marked ``full_mnist``, which need the real MNIST files beside the checkout.
@@ -120,6 +135,10 @@ def pytest_collection_modifyitems(config, items):
     files must be there, so a skip cannot hide a missing accuracy check.
     """
     cache: dict = {}
+    for item in items:
+        if item.nodeid.startswith(SMOKE_TESTS) or (item.nodeid.startswith(SMOKE_FILES) and
+                                                  item.get_closest_marker("slow") is None):
+            item.add_marker(pytest.mark.smoke)
     for item in items:
         if _starts_processes(item, cache):
             _join_group(item, "processes", config)
