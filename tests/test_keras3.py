@@ -854,3 +854,32 @@ def test_keras3_code_dtensor_cannot_run_is_one_line_naming_the_layer(factory, da
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match=refusal):
         model.fit(dataset, epochs=1, verbose=0)
+
+
+def test_a_trained_keras3_encoder_under_a_new_head_keeps_its_weights_and_checkpoints_are_keras():
+    """Issue 69 on Keras 3: a trained encoder (its layers laid out by a first dtk.distribute)
+    under a new head in a second one trains from its trained weights; dtk.CheckpointCallback (a
+    tf_keras callback) on a Keras 3 model is one line naming Keras 3's BackupAndRestore."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 12)).astype("float32"), rng.integers(0, 2, 64)
+
+    def encoder():
+        return keras.Sequential([keras.Input((12,)), layers.Dense(16, name="d1"),
+                                 layers.Dense(8, name="d2")])
+
+    first = dtk.distribute(lambda: keras.Sequential([encoder(), layers.Dense(2, name="head")]),
+                           "batch=8", seed=0)
+    first.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    first.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    trained = first.layers[0]
+    kept = [np.array(w) for w in trained.get_weights()]
+    second = dtk.distribute(lambda: keras.Sequential([trained, layers.Dense(2, name="new")]),
+                            "batch=8", seed=1)
+    for got, want in zip(second.layers[0].get_weights(), kept):
+        np.testing.assert_array_equal(got, want)
+    second.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert np.isfinite(second.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"]).all()
+    with pytest.raises(ValueError, match=r"CheckpointCallback is for dtk.distribute's tf_keras "
+                       r"models; model '\w+' is a Keras 3 model.*keras.callbacks.BackupAndRestore"):
+        second.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                   callbacks=[dtk.CheckpointCallback(str(__import__("tempfile").mkdtemp()))])

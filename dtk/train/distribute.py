@@ -893,6 +893,12 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         from dtk.train import checkpoint, preemption  # pylint: disable=g-import-not-at-top
         state = getattr(self.model, "_dtk_mesh_state", None)
+        if state is None and getattr(self.model, "_dtk_distribution", None) is not None:
+            raise ValueError(
+                f"CheckpointCallback is for dtk.distribute's tf_keras models; model "
+                f"{self.model.name!r} is a Keras 3 model on the mesh: use Keras 3's "
+                "keras.callbacks.BackupAndRestore(backup_dir), which resumes it exactly with "
+                "shuffle=False or a tf.data input (tests/test_keras3.py), as in plain Keras 3")
         if state is None:
             raise ValueError("CheckpointCallback is for a model made by dtk.distribute; this "
                              f"model {self.model.name!r} is not laid out by dtk (use Keras's "
