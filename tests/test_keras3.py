@@ -883,3 +883,74 @@ def test_a_trained_keras3_encoder_under_a_new_head_keeps_its_weights_and_checkpo
                        r"models; model '\w+' is a Keras 3 model.*keras.callbacks.BackupAndRestore"):
         second.fit(x, y, batch_size=16, epochs=1, verbose=0,
                    callbacks=[dtk.CheckpointCallback(str(__import__("tempfile").mkdtemp()))])
+
+
+KERAS3_OPS = {
+    "gather": lambda h: tf.gather(h, [3, 1, 0, 2], axis=1),
+    "gather_batch_dims": lambda h: tf.gather(h, tf.argsort(h, axis=1)[:, :4], axis=1,
+                                             batch_dims=1),
+    "scatter_nd": lambda h: h + tf.scatter_nd([[0], [2]], tf.ones([2, 16]), [4, 16])[:1] * h,
+    "unsorted_segment_sum": lambda h: tf.transpose(
+        tf.math.unsorted_segment_sum(tf.transpose(h), [0, 1] * 8, 2)),
+    "one_hot": lambda h: tf.one_hot(tf.argmax(h, 1), 16) * h,
+    "argsort": lambda h: tf.gather(h, tf.argsort(h[0]), axis=1),
+    "sort": lambda h: tf.sort(h, axis=1),
+    "cumsum": lambda h: tf.math.cumsum(h, axis=1),
+    "cumsum_over_batch": lambda h: tf.math.cumsum(h, axis=0) / 16.0,
+    "concat": lambda h: tf.concat([h, 2.0 * h[:, :8]], axis=1),
+}
+# On batch=4,model=2 with mlp_model_parallel the op's output feeds d2, whose kernel rows are
+# split over model: what DTensor cannot do there is one line naming the layer.
+KERAS3_OPS_REFUSED = {"sort": r"^TopK in op scope '[^']*' selects the top k",
+                      "concat": r"^Concat in op scope '[^']*' cuts or joins a tensor"}
+
+
+class _KerasOp(layers.Layer):
+    def __init__(self, op, **kwargs):
+        super().__init__(**kwargs)
+        self.op = op
+
+    def call(self, h):
+        return KERAS3_OPS[self.op](h)
+
+
+@pytest.mark.parametrize("spec", ["batch=1", "batch=8", "batch=4,model=2"])
+@pytest.mark.parametrize("op", sorted(KERAS3_OPS))
+def test_the_ops_users_call_train_on_keras3(op, spec):
+    """Issue 69's ops on Keras 3, each between two Dense layers, gradient included: = plain
+    Keras 3 (1e-5), or (into a row-sharded consumer) one line naming the layer."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 12)).astype("float32"), rng.integers(0, 2, 64)
+
+    def factory():
+        return keras.Sequential([keras.Input((12,)), layers.Dense(16, name="d1"),
+                                 _KerasOp(op, name="op"), layers.Flatten(),
+                                 layers.Dense(2, name="d2")])
+
+    def fit(model):
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+
+    model = dtk.distribute(factory, spec, layout="mlp_model_parallel", seed=0,
+                           allow_replicated=True)
+    if "model" in spec and op in KERAS3_OPS_REFUSED:
+        with pytest.raises(ValueError, match=KERAS3_OPS_REFUSED[op]):
+            fit(model)
+        return
+    got = fit(model)
+    keras.utils.set_random_seed(0)
+    _close(fit(factory()), got, op)
+
+
+def test_a_dim_a_mesh_axis_cannot_split_is_refused_when_the_weight_is_made():
+    """A 3-unit kernel laid out over model=2 failed at the first step (a 3-row one: "Dimensions
+    must be equal, but are 3 and 2"); now one line when the weight is made, naming it and the
+    axis."""
+    def factory():
+        return keras.Sequential([keras.Input((12,)), layers.Dense(3, name="d1"),
+                                 layers.Dense(2, name="d2")])
+
+    with pytest.raises(ValueError, match=r"variable '[^']*d1/kernel' of shape \(12, 3\): its dim 1 "
+                       r"\(3\) is laid out over mesh axis 'model' of size 2"):
+        dtk.distribute(factory, "batch=4,model=2", layout="mlp_model_parallel", seed=0)

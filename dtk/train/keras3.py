@@ -526,6 +526,7 @@ def _initialize_variable(self, value) -> None:
             _check_one_key(distribution, self.path)
             self._layout = distribution.get_variable_layout(self)  # pylint: disable=protected-access
         layout = _backend_layout(self._layout)  # pylint: disable=protected-access
+        _check_divisible(self.path, tuple(initial.shape), layout)
         if dtensor.is_dtensor(initial):  # made under the step's default mesh (slots' zeros)
             from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
             initial = tf.constant(checkpoint.global_value(initial), dtype=initial.dtype)
@@ -576,6 +577,19 @@ def _place(value, layout: dtensor.Layout):
     dtype = value.dtype if isinstance(value, tf.Tensor) else tf.as_dtype(array.dtype)
     shards = [tf.constant(s, dtype=dtype) for s in materialize.local_shards(array, layout)]
     return dtensor.pack(shards, layout)
+
+
+def _check_divisible(path: str, shape: tuple, layout: dtensor.Layout) -> None:
+    """A dim laid out over a mesh axis must split evenly (DTensor has no uneven shards: a
+    3-row kernel over ``model=2`` failed later as "Dimensions must be equal, but are 3 and 2")."""
+    sizes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+    for dim, (length, axis) in enumerate(zip(shape, layout.sharding_specs)):
+        if axis in sizes and length % sizes[axis]:
+            raise ValueError(
+                f"variable {path!r} of shape {shape}: its dim {dim} ({length}) is laid out over "
+                f"mesh axis {axis!r} of size {sizes[axis]}, which does not divide it; give that "
+                f"layer a size divisible by {sizes[axis]}, or a layout that keeps dim {dim} whole "
+                "(None in the LayoutMap key, 'unsharded' in a dtk table)")
 
 
 def _check_one_key(distribution, path: str) -> None:
