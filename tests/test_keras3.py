@@ -739,7 +739,7 @@ KERAS3_KINDS = {  # factory, dtk.distribute's extra arguments
 }
 
 
-@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+@pytest.mark.parametrize("spec", ["batch=1", "batch=8", "batch=4,model=2"])
 @pytest.mark.parametrize("kind", sorted(KERAS3_KINDS))
 def test_users_own_keras3_code_trains_with_plain_keras_numbers(kind, spec):
     """Issue 69's kinds through ``dtk.distribute`` of a Keras 3 factory: ``tf.math.top_k`` and
@@ -793,7 +793,7 @@ def _keras3_custom_loop(model, batches, optimizer=None):
     return losses, accuracies
 
 
-@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+@pytest.mark.parametrize("spec", ["batch=1", "batch=8", "batch=4,model=2"])
 def test_a_custom_loop_on_a_distributed_keras3_model_binds_its_optimizer_and_metric(spec):
     """A ``dtk.distribute`` Keras 3 model keeps its distribution to itself; a custom loop's
     optimizer and metric made after it hold plain variables. Before: the metric counted one
