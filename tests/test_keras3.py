@@ -885,23 +885,11 @@ def test_a_trained_keras3_encoder_under_a_new_head_keeps_its_weights_and_checkpo
                    callbacks=[dtk.CheckpointCallback(str(__import__("tempfile").mkdtemp()))])
 
 
-KERAS3_OPS = {
-    "gather": lambda h: tf.gather(h, [3, 1, 0, 2], axis=1),
-    "gather_batch_dims": lambda h: tf.gather(h, tf.argsort(h, axis=1)[:, :4], axis=1,
-                                             batch_dims=1),
-    "scatter_nd": lambda h: h + tf.scatter_nd([[0], [2]], tf.ones([2, 16]), [4, 16])[:1] * h,
-    "unsorted_segment_sum": lambda h: tf.transpose(
-        tf.math.unsorted_segment_sum(tf.transpose(h), [0, 1] * 8, 2)),
-    "one_hot": lambda h: tf.one_hot(tf.argmax(h, 1), 16) * h,
-    "argsort": lambda h: tf.gather(h, tf.argsort(h[0]), axis=1),
-    "sort": lambda h: tf.sort(h, axis=1),
-    "cumsum": lambda h: tf.math.cumsum(h, axis=1),
-    "cumsum_over_batch": lambda h: tf.math.cumsum(h, axis=0) / 16.0,
-    "concat": lambda h: tf.concat([h, 2.0 * h[:, :8]], axis=1),
-}
+from tests.user_ops import OPS as KERAS3_OPS  # noqa: E402  (tf_keras's table too)
 # On batch=4,model=2 with mlp_model_parallel the op's output feeds d2, whose kernel rows are
 # split over model: what DTensor cannot do there is one line naming the layer.
 KERAS3_OPS_REFUSED = {"sort": r"^TopK in op scope '[^']*' selects the top k",
+                      "top_k": r"^TopK in op scope '[^']*' selects the top k",
                       "concat": r"^Concat in op scope '[^']*' cuts or joins a tensor"}
 
 

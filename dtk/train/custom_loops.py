@@ -74,13 +74,26 @@ def install_metric_hook(metrics_utils: Any) -> None:
 
 
 @tf.autograph.experimental.do_not_convert  # Python glue, run as written
-def mark_graph(mesh: dtensor.Mesh) -> None:
+def mark_graph(mesh: dtensor.Mesh, *, constants: bool = True) -> None:
     """Records, on the graph being traced, that a laid-out model runs in it on ``mesh``: a metric
-    updated there is moved onto that mesh (the tensors of a trace carry no layout yet)."""
+    updated there is moved onto that mesh (the tensors of a trace carry no layout yet);
+    ``constants``: the host constants the trace captures are copied onto it too."""
     if not tf.executing_eagerly():
         tf.compat.v1.get_default_graph()._dtk_mesh = mesh  # pylint: disable=protected-access
-        from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
-        ops.constants_on_mesh(mesh)  # host constants the user's code captures
+        if constants:
+            from dtk.parallel import ops  # pylint: disable=g-import-not-at-top
+            ops.constants_on_mesh(mesh)  # host constants the user's code captures
+
+
+def graph_mesh() -> dtensor.Mesh | None:
+    """The mesh ``mark_graph`` recorded on the graph being traced or on a graph around it."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        mesh = getattr(graph, "_dtk_mesh", None)
+        if mesh is not None:
+            return mesh
+        graph = getattr(graph, "outer_graph", None)
+    return None
 
 
 def storage(variable: Any) -> Any:
@@ -155,13 +168,7 @@ def _mesh_in_use(args, kwargs) -> dtensor.Mesh | None:
             if isinstance(t, tf.Tensor) and dtensor.is_dtensor(t):
                 return dtensor.fetch_layout(t).mesh
         return None
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        mesh = getattr(graph, "_dtk_mesh", None)
-        if mesh is not None:
-            return mesh
-        graph = getattr(graph, "outer_graph", None)
-    return None
+    return graph_mesh()
 
 
 @tf.autograph.experimental.do_not_convert  # Python glue, run as written

@@ -680,18 +680,6 @@ def _bind_in_place(optimizer, distribution) -> bool:
     return True
 
 
-def _graph_mesh() -> dtensor.Mesh | None:
-    """The mesh of a laid-out Keras 3 model called in the graph being traced, or in a graph
-    around it (``_model_call_scoped`` records it)."""
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        mesh = getattr(graph, "_dtk_mesh", None)
-        if mesh is not None:
-            return mesh
-        graph = getattr(graph, "outer_graph", None)
-    return None
-
-
 def _value_on_mesh(self):
     """``Variable.value``: a plain variable read in a trace where a laid-out model runs (a
     custom loop's metric made before the distribution) first moves onto that mesh, replicated,
@@ -699,7 +687,8 @@ def _value_on_mesh(self):
     value = self._value  # pylint: disable=protected-access
     if value is not None and not isinstance(value, dtensor.DVariable) and \
             isinstance(value, tf.Variable) and not tf.executing_eagerly():
-        mesh = _graph_mesh()
+        from dtk.train import custom_loops  # pylint: disable=g-import-not-at-top
+        mesh = custom_loops.graph_mesh()
         if mesh is not None:
             with tf.init_scope():
                 held = value.read_value()
@@ -941,7 +930,8 @@ def _model_call_scoped(self, *args, **kwargs):
     if not tf.executing_eagerly() and _on_mesh(self):
         distribution = getattr(self, "_dtk_distribution", None) or _distribution()
         if distribution is not None:  # for the plain metrics of a custom loop (_value_on_mesh)
-            tf.compat.v1.get_default_graph()._dtk_mesh = _mesh_state(distribution).mesh  # pylint: disable=protected-access
+            from dtk.train import custom_loops  # pylint: disable=g-import-not-at-top
+            custom_loops.mark_graph(_mesh_state(distribution).mesh, constants=False)
     with _scope_of(self):
         return _model_call(self, *args, **kwargs)
 
