@@ -9,6 +9,7 @@ takes a Keras object calls ``require_keras2`` first.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 _FIX = ("This dtk entry point takes tf_keras (Keras 2) objects: build it with tf_keras (`import "
@@ -53,3 +54,30 @@ def require_keras2(obj: Any, what: str) -> None:
         if not inspect.isroutine(obj) and hasattr(obj, "fit") and hasattr(obj, "variables"):
             raise Keras3Model(message, obj)
         raise TypeError(message)
+
+
+def call_factory(model_factory: Any) -> Any:
+    """``model_factory()``, where a Keras 3 object inside a tf_keras model is one line naming the
+    two Kerases and the fix: a layer (``tf_keras.Sequential([keras.layers.Dense(10)])``: tf_keras
+    says only "must be an instance of class Layer"), or an optimizer or loss given to tf_keras's
+    ``compile`` ("Could not interpret optimizer identifier: <keras.src...>")."""
+    try:
+        return model_factory()
+    except (TypeError, ValueError) as e:
+        text = str(e)
+        if "keras.src." not in text:
+            raise
+        found = re.search(r"Could not interpret (\w+) identifier: <(keras\.src\.[\w.]+)", text)
+        if found is not None:  # tf_keras's compile in the factory, handed a Keras 3 object
+            raise ValueError(
+                f"model_factory compiled a tf_keras model with a Keras 3 {found.group(1)} "
+                f"({found.group(2).rsplit(' ', 1)[0]}): tf_keras takes its own objects; use "
+                f"tf_keras.{found.group(1)}s (tf_keras.optimizers.Adam(...)), or build the whole "
+                "model with Keras 3 (import keras), which dtk.distribute takes too") from None
+        found = re.search(r"<class '(keras\.src\.[\w.]+)'>", text)
+        what = found.group(1).rsplit(".", 1)[-1] if found else "a Keras 3 object"
+        raise TypeError(
+            f"model_factory mixes Keras 3 ({what}, from the keras package) into a tf_keras "
+            "model: the two Kerases' layers do not compose. Build it all with tf_keras ("
+            "tf_keras.layers." + (what if found else "...") + "), or all with keras and pass "
+            "the Keras 3 factory to dtk.distribute") from e

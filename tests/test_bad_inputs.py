@@ -388,7 +388,63 @@ API_CASES = [  # (id, call, exception, phrase)
      "plan_layouts needs the model FACTORY (a function that builds the model"),
     ("distribute a mesh without a batch axis", lambda: dtk.distribute(
         dtk.models.mnist_mlp, dtk.build_mesh("model=8")), ValueError, "'batch'"),
+    # Issue 70: the old raw cases, one line each naming the argument and the fix
+    ("features_wrong_shape_32x32", lambda: _trainer().fit(input_lib.DistributedDataset(
+        _ds(x_shape=(32, 32, 1)), _mesh(), input_lib.InputConfig(global_batch_size=32)),
+        epochs=1), ValueError,
+     "fit(train_data=...): one example's features have shape (32, 32, 1), but model 'mnist_mlp' "
+     "takes (28, 28, 1) (its Input 'flatten_input'); reshape or resize them"),
+    ("validation features of the wrong shape", lambda: _trainer().fit(
+        _data(), epochs=1, validation_data=input_lib.DistributedDataset(
+            _ds(x_shape=(14, 14, 1)), _mesh(), input_lib.InputConfig(global_batch_size=32))),
+     ValueError, "fit(validation_data=...): one example's features have shape (14, 14, 1)"),
+    ("plan input_shape the model cannot take", lambda: dtk.plan(
+        dtk.models.mnist_mlp, devices=8, global_batch_size=64, input_shape=(32, 32, 1)),
+     ValueError, "plan(input_shape=(32, 32, 1)): one example's features have shape (32, 32, 1), "
+                 "but model 'mnist_mlp' takes (28, 28, 1)"),
+    ("a Keras 3 layer in a tf_keras model", lambda: _trainer(model=_keras3_layer_inside),
+     TypeError, "model_factory mixes Keras 3 (Dense, from the keras package) into a tf_keras "
+                "model"),
+    ("mse and sgd for class ids", lambda: _trainer(loss="mse", optimizer="sgd").fit(
+        _data(), epochs=1), ValueError,
+     "fit(train_data=...): the labels are one number per example (shape ()), but the loss "
+     "'mean_squared_error' compares them with the 10 scores per example that model "
+     "'mnist_mlp' outputs; for class ids use loss='sparse_categorical_crossentropy'"),
+    ("dict features into a Sequential", lambda: _trainer().fit(input_lib.DistributedDataset(
+        tf.data.Dataset.from_tensor_slices(({"image": np.zeros((64, 28, 28, 1), np.float32)},
+                                            np.zeros(64, np.int64))), _mesh(),
+        input_lib.InputConfig(global_batch_size=32)), epochs=1), ValueError,
+     "fit(train_data=...): the features are a dict with keys ['image'], but model 'mnist_mlp' "
+     "takes one input, 'flatten_input' of shape (28, 28, 1); map the data to "
+     "(features['image'], labels)"),
 ]
+
+
+def _keras3_layer_inside():
+    import keras  # pylint: disable=import-outside-toplevel
+    return tf_keras.Sequential([tf_keras.layers.Flatten(input_shape=(28, 28, 1)),
+                                keras.layers.Dense(10)])
+
+
+class _Subclassed(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flat, self.dense = tf_keras.layers.Flatten(), tf_keras.layers.Dense(10)
+
+    def call(self, x):
+        return self.dense(self.flat(x))
+
+
+def test_a_subclassed_model_called_on_a_tensor_in_its_factory_trains():
+    """Issue 70's old case (raw before): built by a call on a host tensor in the factory, it
+    trains with the Trainer like the same model built by Keras."""
+    def factory():
+        model = _Subclassed()
+        model(tf.zeros((1, 28, 28, 1)))
+        return model
+
+    history = _trainer(model=factory).fit(_data(), epochs=2).history
+    assert history["loss"][1] < history["loss"][0]
 
 
 def _distributed(**compile_kwargs):

@@ -987,6 +987,21 @@ def _bad_fit_calls():
             r"\[0, 1\] only"),
         "evaluate_x_and_y_lengths": (lambda m: m.evaluate(x[:16], y, batch_size=16, verbose=0),
                                      r"^evaluate: x has 16 examples, y has 32 examples"),
+        # issue 70's old raw cases: Keras's "Input 0 ... is incompatible", "Missing data for
+        # input", from the traced step
+        "features_of_the_wrong_shape": (
+            lambda m: m.fit(np.zeros((32, 14), np.float32), y, batch_size=16, verbose=0),
+            r"^fit\(x=...\): one example's features have shape \(14,\), but model '\w+' takes "
+            r"\(12,\) \(its Input '\w+'\); reshape or resize them"),
+        "features_of_the_wrong_shape_in_tf_data": (
+            lambda m: m.fit(tf.data.Dataset.from_tensor_slices((np.zeros((32, 14), np.float32),
+                                                                y)).batch(16), verbose=0),
+            r"^fit\(x=...\): one example's features have shape \(14,\)"),
+        "dict_features_into_a_sequential": (
+            lambda m: m.fit({"image": x}, y, batch_size=16, verbose=0),
+            r"^fit\(x=...\): the features are a dict with keys \['image'\], but model '\w+' "
+            r"takes one input, '\w+' of shape \(12,\); map the data to \(features\['image'\], "
+            r"labels\)"),
     }
 
 
@@ -1015,6 +1030,17 @@ def _compiled_with_keras3_optimizer():
     return model
 
 
+def _compiled_with_mse_and_sgd():  # a classifier compiled for regression
+    model = tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def _keras3_layer_inside():
+    import keras  # pylint: disable=import-outside-toplevel
+    return tf_keras.Sequential([tf_keras.Input((12,)), keras.layers.Dense(3)])
+
+
 @pytest.mark.parametrize("factory, compiled, call, message", [
     (lambda: tf_keras.Sequential([tf_keras.Input((12,)), tf_keras.layers.Dense(3)]), False,
      lambda m: m.fit(np.zeros((32, 12)), np.zeros(32), batch_size=16, verbose=0),
@@ -1027,12 +1053,23 @@ def _compiled_with_keras3_optimizer():
     (_compiled_with_keras3_optimizer, None, None,
      r"^model_factory compiled a tf_keras model with a Keras 3 optimizer "
      r"\(keras.src.optimizers.adam.Adam\): tf_keras takes its own objects; use "
-     r"tf_keras.optimizers")], ids=["fit_without_compile", "wrong_dict_keys",
-                                    "keras3_optimizer_in_the_factory"])
+     r"tf_keras.optimizers"),
+    (_compiled_with_mse_and_sgd, None,
+     lambda m: m.fit(np.zeros((32, 12)), np.arange(32) % 3, batch_size=16, verbose=0),
+     r"^fit\(y=...\): the labels are one number per example \(shape \(\)\), but the loss "
+     r"'mean_squared_error' compares them with the 3 scores per example that model '\w+' "
+     r"outputs; for class ids use loss='sparse_categorical_crossentropy'"),
+    (_keras3_layer_inside, None, None,
+     r"^model_factory mixes Keras 3 \(Dense, from the keras package\) into a tf_keras model"
+     r".*tf_keras.layers.Dense")],
+    ids=["fit_without_compile", "wrong_dict_keys", "keras3_optimizer_in_the_factory",
+         "mse_and_sgd_for_class_ids", "keras3_layer_in_a_tf_keras_model"])
 def test_bad_model_setups_are_one_line_before_any_step(factory, compiled, call, message):
     """Issue 70: each was a raw or many-line error from inside the traced step (or tf_keras's
-    "Could not interpret optimizer identifier: <keras.src...>")."""
-    with pytest.raises(ValueError, match=message):
+    "Could not interpret optimizer identifier: <keras.src...>"); so were the old cases (mse
+    for class ids: "Dimensions must be equal"; tf_keras's "The added layer must be an instance
+    of class Layer")."""
+    with pytest.raises((ValueError, TypeError), match=message):
         model = dtk.distribute(factory, dtk.build_mesh("batch=8"))
         if compiled:
             model.compile("adam", tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -387,6 +387,7 @@ class DistributedDataset:
         # gradient accumulation steps, so that the padded last batch splits into microbatches).
         self.row_multiple = 1
         self.label_dtypes = tuple(s.dtype for s in tf.nest.flatten(dataset.element_spec[1]))
+        self.example_spec = dataset.element_spec  # one example's (features, labels[, weights])
         self.infinite = cardinality == int(tf.data.INFINITE_CARDINALITY)
         spe, g = config.steps_per_epoch, config.global_batch_size // _clients
         # Where the stream of all epochs stands; shared with re-stacked views.

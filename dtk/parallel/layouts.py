@@ -601,7 +601,7 @@ def _check_factory_result(model: Any) -> tf_keras.Model:
 
 def _plain_model(model_factory, input_shape, mesh, *, dtype="float32") -> tf_keras.Model:
     """``model_factory()`` outside any layout scope, built (a subclassed model by one call)."""
-    model = _check_factory_result(model_factory())
+    model = _check_factory_result(keras_check.call_factory(model_factory))
     if not materialize.is_built(model):
         if input_shape is None:
             raise ValueError(
@@ -817,7 +817,7 @@ def build_model(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh,
         # build with the other weights: adapt() and finalize_state() wait until it is copied.
         with placeholders, layout_map.scope(), _preprocessing_deferred(), _nested_models(), \
                 materialize.shared_handle_compilation():
-            model = model_factory()
+            model = keras_check.call_factory(model_factory)
             if not materialize.is_built(model):
                 _build_subclassed(model, layout_map, input_shape, input_dtype)
             else:  # a subclassed model the factory built itself (build(), or a call on Input)

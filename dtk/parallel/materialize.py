@@ -37,6 +37,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from dtk import keras_check
+
 
 def is_built(model: tf_keras.Model) -> bool:
     """Whether ``model`` has all its weights: built, or a model that is never called itself
@@ -67,7 +69,7 @@ def lazy_model(model_factory: Callable[[], tf_keras.Model], input_shape: Sequenc
     """
     from tf_keras.src.dtensor import lazy_variable  # pylint: disable=g-import-not-at-top
     with lazy_variable.lazy_init_scope():
-        model = model_factory()
+        model = keras_check.call_factory(model_factory)
         if not is_built(model) and input_shape is not None:
             model(tf_keras.Input(tuple(int(d) for d in input_shape), dtype=dtype))
     return model

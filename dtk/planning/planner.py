@@ -286,7 +286,8 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
-    model = layouts._check_factory_result(model_factory())  # pylint: disable=protected-access
+    from dtk import keras_check  # pylint: disable=g-import-not-at-top
+    model = layouts._check_factory_result(keras_check.call_factory(model_factory))  # pylint: disable=protected-access
     if input_shape is None or input_dtype is None:
         inputs = getattr(model, "inputs", None) if model.built else None
         if not inputs:
@@ -309,6 +310,10 @@ def profile_model(model_factory: Callable[[], Any], input_shape: Sequence[int] |
     example = _zeros(input_shape, input_dtype)
     if not model.built:
         model(example)
+    elif not isinstance(input_shape, dict):  # a shape the model cannot take: one line, here
+        from dtk.train import input_checks  # pylint: disable=g-import-not-at-top
+        input_checks.check_features(model, tf.TensorSpec(input_shape),
+                                    f"plan(input_shape={tuple(input_shape)})")
     paths = layouts.weight_paths(model)
     by_id = {id(v): p for p, v in paths}
     records: dict[int, LayerProfile] = {}

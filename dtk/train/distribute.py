@@ -53,7 +53,7 @@ from dtk.keras_check import Keras3Model, require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
-from dtk.train import custom_loops, host_inputs
+from dtk.train import custom_loops, host_inputs, input_checks
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 from dtk.train.steps import auto_shard_optimizer_state, update_layout
@@ -145,15 +145,6 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                                            strict=strict, allow_replicated=allow_replicated,
                                            fsdp=fsdp)
             object.__setattr__(model, "_dtk_compiled", compiled)
-    except ValueError as e:  # tf_keras's compile in the factory, handed a Keras 3 object
-        found = re.search(r"Could not interpret (\w+) identifier: <(keras\.src\.[\w.]+)", str(e))
-        if found is None:
-            raise
-        raise ValueError(
-            f"model_factory compiled a tf_keras model with a Keras 3 {found.group(1)} "
-            f"({found.group(2).rsplit(' ', 1)[0]}): tf_keras takes its own objects; use "
-            f"tf_keras.{found.group(1)}s (tf_keras.optimizers.Adam(...)), or build the whole "
-            "model with Keras 3 (import keras), which dtk.distribute takes too") from None
     except Keras3Model:  # a Keras 3 factory: Keras 3's own distribution, by dtk's seams
         from dtk.train import keras3  # pylint: disable=g-import-not-at-top
         for name, value, default in (("fsdp", fsdp, False), ("remat", tuple(remat), ()),
@@ -352,6 +343,19 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
                 f"{where}: the tf.data dataset is not batched: its elements are single examples "
                 f"of shape {tuple(first.shape)}, where model {model.name!r} takes batches of "
                 f"{tuple(inputs[0].shape)}; call dataset.batch(batch_size) first")
+    if getattr(getattr(model, "_dtk_mesh_state", None), "host", None) is None and \
+            not _overrides(model, "train_step"):
+        if isinstance(x, tf.data.Dataset):
+            spec = x.element_spec
+            x_example = _example(spec[0] if isinstance(spec, tuple) else spec)
+            y_example = _example(spec[1]) if isinstance(spec, tuple) and len(spec) > 1 else None
+        else:
+            x_example, y_example = _example(x), _example(y)
+        if x_example is not None and not isinstance(x, (list, tuple)):
+            input_checks.check_features(model, x_example, where)
+        if y_example is not None and method != "predict":
+            input_checks.check_targets(model, getattr(model, "loss", None), y_example,
+                                       where.replace("(x=", "(y="))
     loss = getattr(model, "loss", None)
     outputs = getattr(model, "outputs", None) or []
     sparse = loss in ("sparse_categorical_crossentropy",) or isinstance(
@@ -367,6 +371,26 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
                 f"{model.name!r}'s output (shape {tuple(outputs[0].shape)}), which the sparse "
                 f"loss needs in [0, {classes}); fix the labels, or give the last layer "
                 f"{high + 1} units")
+
+
+def _overrides(model: tf_keras.Model, method: str) -> bool:
+    """Whether the model's class replaces Keras's ``method`` (its data may be anything)."""
+    return getattr(type(model), method) is not getattr(tf_keras.Model, method)
+
+
+def _example(value: Any) -> Any:
+    """One example's spec of each array, tensor or spec of a batch (its dims after the first);
+    None for what has none (a generator, None)."""
+    def one(leaf):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or not isinstance(leaf, (np.ndarray, tf.Tensor, tf.TensorSpec)):
+            raise TypeError
+        shape = tf.TensorShape(shape)
+        return tf.TensorSpec(shape[1:]) if shape.rank else None
+    try:
+        return tf.nest.map_structure(one, value) if value is not None else None
+    except TypeError:
+        return None
 
 
 def _length(value: Any) -> int | None:

@@ -43,6 +43,7 @@ from dtk.parallel import layouts as layouts_lib
 from dtk.parallel import mesh as mesh_lib
 from dtk.parallel import ops as op_support
 from dtk.train import optimizers as optimizers_lib
+from dtk.train import input_checks
 from dtk.train import preemption
 from dtk.train import resume as resume_lib
 from dtk import keras_check
@@ -350,7 +351,7 @@ class Trainer:
     def global_step(self) -> int:
         return int(self.optimizer.iterations.numpy())
 
-    def _check_data(self, data: Any, *, stacked: int) -> None:
+    def _check_data(self, data: Any, *, stacked: int, where: str = "data") -> None:
         if not isinstance(data, DataSource):
             raise TypeError(
                 f"data must be a dtk.DistributedDataset (or another dtk.data.input.DataSource); got "
@@ -372,6 +373,10 @@ class Trainer:
                 f"steps_per_execution={stacked}; build the training data with "
                 f"InputConfig(steps_per_call={stacked}) (evaluation data with 1)")
         _check_label_kind(self.steps.loss_fn, getattr(data, "label_dtypes", ()))
+        example = getattr(data, "example_spec", None)
+        if example is not None and "train_step" not in self.steps.custom:
+            input_checks.check_features(self.model, example[0], where)
+            input_checks.check_targets(self.model, self.steps.loss_fn, example[1], where)
         if _is_sparse_loss(self.steps.loss_fn) and hasattr(data, "implied_classes") and \
                 data.config.num_classes is None:
             outputs = getattr(self.model, "outputs", None) or []
@@ -416,7 +421,7 @@ class Trainer:
                     planned >= AUTO_MIN_STEPS and "train_step" not in self.steps.custom:
                 self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
-        self._check_data(train_data, stacked=spe)
+        self._check_data(train_data, stacked=spe, where="fit(train_data=...)")
         if "train_step" in self.steps.custom and getattr(train_data.config, "remainder",
                                                           None) == "pad":
             raise ValueError(
@@ -428,7 +433,7 @@ class Trainer:
         steps_lib.check_accumulation(train_data.config.global_batch_size, self.mesh,
                                      self.config.gradient_accumulation_steps, self.config.batch_axis)
         if validation_data is not None:  # before the first step, not after the first epoch
-            self._check_data(validation_data, stacked=1)
+            self._check_data(validation_data, stacked=1, where="fit(validation_data=...)")
         steps_per_epoch = train_data.num_batches
         self.history = History()
         self._settings = self._named(resume_lib.settings(
