@@ -291,3 +291,40 @@ def test_routing_statistics_after_a_resume_are_the_uninterrupted_runs(tmp_path):
     resumed = fit(tmp_path / "resumed", 3)
     assert len(whole) == 3 and len(resumed) == 1
     assert resumed[0] == pytest.approx(whole[2], rel=1e-6), (whole, resumed)
+
+
+def test_the_layer_routes_in_float32_under_mixed_precision():
+    """Issue 70: ``--mixed_precision`` with experts was "Incompatible type conversion requested
+    to type 'float32' for AutoCastVariable". The router now reads its float32 weight as float32
+    (routing in float32), the experts compute in bfloat16: outputs in bfloat16 within its
+    precision of the float32 layer's, with the same weights."""
+    x = tf.random.stateless_normal([2, 8, 4], seed=[1, 2])
+
+    def call(policy):
+        tf_keras.mixed_precision.set_global_policy(policy)
+        try:
+            tf_keras.utils.set_random_seed(0)
+            layer = experts.MixtureOfExperts(4, 8, top_k=2, group_size=4, name="moe")
+            return layer, layer(x, training=True)
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+
+    full, want = call("float32")
+    mixed, got = call("mixed_bfloat16")
+    assert got.dtype == tf.bfloat16 and mixed.router.dtype == tf.float32
+    np.testing.assert_array_equal(mixed.router.numpy(), full.router.numpy())
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy(), want.numpy(),
+                               atol=0.02 * float(tf.reduce_max(tf.abs(want))))
+    assert all(np.isfinite(float(v)) for v in mixed.losses)
+
+
+@pytest.mark.parametrize("pattern", ["block0_moe", "block.*"])
+def test_remat_of_an_expert_layer_is_one_line_naming_it(pattern):
+    """Issue 70: ``--remat`` naming an expert layer got Keras's add_loss text ("wrap your loss
+    computation in a zero argument lambda"), naming neither the flag nor the layer."""
+    from dtk.parallel import remat  # pylint: disable=import-outside-toplevel
+    model = _factory(1)()
+    with pytest.raises(ValueError, match=r"^remat \(--remat\) of layer 'block0_moe': it is a "
+                                         r"MixtureOfExperts, which adds its routing losses with "
+                                         r"add_loss.*leave it out of the remat patterns"):
+        remat.apply(model, [pattern])

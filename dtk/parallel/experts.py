@@ -92,8 +92,10 @@ class MixtureOfExperts(tf_keras.layers.Layer):
         dim = int(input_shape[-1])
         e, h = self.num_experts, self.hidden
         init = lambda: tf_keras.initializers.RandomNormal(stddev=0.02)  # noqa: E731  (one each)
+        # Routing is float32 under mixed precision too (Switch's "selective precision"): the
+        # router is read as float32, not cast to the compute dtype.
         self.router = self.add_weight(name="router", shape=(dim, e), initializer=init(),
-                                      dtype="float32")
+                                      dtype="float32", experimental_autocast=False)
         self.w1 = self.add_weight(name="w1", shape=(e, dim, h), initializer=init())
         self.b1 = self.add_weight(name="b1", shape=(e, h), initializer="zeros")
         self.w2 = self.add_weight(name="w2", shape=(e, h, dim), initializer=init())

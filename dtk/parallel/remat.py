@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 import tf_keras
 
-from dtk.parallel import fsdp, randomness
+from dtk.parallel import experts, fsdp, randomness
 
 
 def matching_layers(model: tf_keras.Model, patterns: Sequence[str]) -> list[tf_keras.layers.Layer]:
@@ -55,11 +55,23 @@ def apply(model: tf_keras.Model, patterns: Sequence[str]) -> list[str]:
     """
     layers = matching_layers(model, patterns)
     for layer in layers:
+        for inner in layer._flatten_layers(include_self=True):  # pylint: disable=protected-access
+            if isinstance(inner, experts.MixtureOfExperts):
+                raise ValueError(_adds_losses(
+                    layer.name, ("is" if inner is layer else f"holds {inner.name!r},") +
+                    " a MixtureOfExperts, which adds its routing losses with add_loss"))
+    for layer in layers:
         if getattr(layer, "_dtk_remat", False):
             continue
         layer.call = _rematerialized(layer.call)
         layer._dtk_remat = True  # pylint: disable=protected-access
     return [layer.name for layer in layers]
+
+
+def _adds_losses(name: str, why: str) -> str:
+    return (f"remat (--remat) of layer {name!r}: it {why}, and a recomputed layer cannot add "
+            "losses (its call runs again in the backward pass); leave it out of the remat "
+            "patterns (the LM's --remat blocks leaves the expert layers out), or drop remat")
 
 
 def _rematerialized(call):
