@@ -377,3 +377,29 @@ def test_a_changed_dropout_is_named_and_allowed_by_the_flag(tmp_path):
     assert "model." not in str(info.value)
     resumed = fit(0.2, allow_change=("dropout",))
     assert resumed.resume_changes == {"dropout": {"old": 0.1, "new": 0.2}}
+
+
+def test_the_memory_budget_offers_only_the_fixes_that_apply():
+    """Issue 70: a pipeline stage's budget error suggested ``--fsdp`` and the sharded optimizer
+    state, both refused with stages; with FSDP on, it suggested FSDP."""
+    big = functools.partial(models.transformer_lm, vocab=256, seq_len=128, dim=1024, heads=8,
+                            layers=4)
+    mesh = dtk.build_mesh("batch=8")
+    plain = layouts.plan_layouts("transformer_lm", mesh, big)
+    fsdp = layouts.plan_layouts("transformer_lm", mesh, big, fsdp=True)
+    budget = 2 ** 20
+    with pytest.raises(ValueError) as info:
+        layouts.check_memory_budget(plain, budget, stage=1)
+    message = str(info.value)
+    assert "on pipeline stage 1's sub-mesh batch=8" in message
+    assert "More stages (a larger stage axis); a model axis beside the stages" in message
+    assert "fsdp" not in message and "shard_optimizer_state" not in message
+    with pytest.raises(ValueError) as info:
+        layouts.check_memory_budget(fsdp, budget, shard_optimizer_state=True)
+    message = str(info.value)
+    assert "--fsdp" not in message and "--shard_optimizer_state" not in message
+    assert message.endswith("Shard it on a larger model axis (e.g. model=8), or raise the "
+                            "budget (--device_memory_gb)")
+    with pytest.raises(ValueError, match=r"fsdp=True, --fsdp\); turn on the sharded optimizer "
+                                         r"update \(--shard_optimizer_state\), or raise"):
+        layouts.check_memory_budget(plain, budget)

@@ -412,8 +412,9 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         return {}
     memory = [layouts.memory_per_device(plan, optimizer_slots=2) for plan in pipe.plans]
     if FLAGS.device_memory_gb:
-        for plan in pipe.plans:
-            layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, optimizer_slots=2)
+        for stage, plan in enumerate(pipe.plans):
+            layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, stage=stage,
+                                        optimizer_slots=2)
     steps = pipeline_steps.PipelineSteps(
         pipe, loss="sparse_categorical_crossentropy", optimizer="adamw", config=config,
         optimizer_kwargs={"learning_rate": FLAGS.learning_rate, "weight_decay": 0.01,

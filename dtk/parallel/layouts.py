@@ -1304,23 +1304,43 @@ def _split(dims, sizes: dict[str, int]) -> int:
     return split
 
 
-def check_memory_budget(plan: LayoutPlan, budget_bytes: float, **kwargs) -> dict[str, int]:
+def check_memory_budget(plan: LayoutPlan, budget_bytes: float, *, stage: int | None = None,
+                        **kwargs) -> dict[str, int]:
     """Raises when weights + optimizer state per device exceed ``budget_bytes`` (before any
     variable exists), showing the arithmetic; returns ``memory_per_device``.
 
+    Args:
+      plan: the plan of the model (of one pipeline stage, with ``stage``).
+      budget_bytes: the budget per device.
+      stage: the pipeline stage whose sub-mesh ``plan`` is on: the fixes offered are those a
+        pipeline has (FSDP and the sharded optimizer update do not run in stages).
+      **kwargs: as ``memory_per_device``.
+
     Raises:
-      ValueError: over budget, with the figures and how far the model axis would bring them.
+      ValueError: over budget, with the figures and only the fixes that apply (not FSDP where
+        it is on, nor what a pipeline stage refuses).
     """
     memory = memory_per_device(plan, **kwargs)
     if memory["total"] > budget_bytes:
         mesh = ",".join(f"{k}={v}" for k, v in plan.mesh_axes)
+        if stage is not None:
+            where = f"pipeline stage {stage}'s sub-mesh {mesh}"
+            fixes = ["more stages (a larger stage axis)", "a model axis beside the stages (e.g. "
+                     "--mesh stage=2,batch=2,model=2)", "fewer or smaller blocks"]
+        else:
+            where = f"mesh {mesh}"
+            fixes = ["shard it on a larger model axis (e.g. model=8)"]
+            if not plan.fsdp:
+                fixes.append("store it sharded over the batch axis too (fsdp=True, --fsdp)")
+            if not kwargs.get("shard_optimizer_state"):
+                fixes.append("turn on the sharded optimizer update (--shard_optimizer_state)")
+        fixes.append("raise the budget (--device_memory_gb)")
+        first = "; ".join(fixes[:-1])
         raise ValueError(
-            f"the model does not fit the device memory budget on mesh {mesh}: weights "
+            f"the model does not fit the device memory budget on {where}: weights "
             f"{_bytes(memory['weights'])} + optimizer state {_bytes(memory['optimizer'])} = "
             f"{_bytes(memory['total'])} per device > budget {_bytes(int(budget_bytes))} "
-            "(activations not counted). Shard it on a larger model axis (e.g. model=8), store "
-            "it sharded over the batch axis too (fsdp=True, --fsdp), turn on the sharded "
-            "optimizer update, or raise the budget")
+            f"(activations not counted). {first[0].upper()}{first[1:]}, or {fixes[-1]}")
     return memory
 
 
