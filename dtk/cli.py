@@ -277,6 +277,14 @@ def plan_from_flags(values: Callable[[str], Any], factory, *, input_shape, input
         except ImportError:
             raise UsageError(f"--plot {values('plot')}: drawing the plan needs matplotlib: pip "
                              "install 'dtk-dtensor[bench]'") from None
+        from matplotlib import figure  # pylint: disable=g-import-not-at-top
+        formats = figure.Figure().canvas.get_supported_filetypes()
+        suffix = os.path.splitext(values("plot"))[1].lstrip(".").lower()
+        if suffix not in formats:  # before planning (minutes), not after it
+            raise UsageError(
+                f"--plot {values('plot')}: the chart is an image; name a file ending in .png, "
+                f".svg or .pdf (matplotlib writes {', '.join('.' + f for f in sorted(formats))})"
+                + ("" if suffix else ", not a name without a suffix"))
     devices = devices_to_plan_for(values, kind)
     try:
         plan = planner.plan(factory, devices=devices, global_batch_size=global_batch_size,

@@ -398,6 +398,16 @@ API_CASES = [  # (id, call, exception, phrase)
         _data(), epochs=1, validation_data=input_lib.DistributedDataset(
             _ds(x_shape=(14, 14, 1)), _mesh(), input_lib.InputConfig(global_batch_size=32))),
      ValueError, "fit(validation_data=...): one example's features have shape (14, 14, 1)"),
+    ("validation_data as a tf.data dataset", lambda: _trainer().fit(
+        _data(), epochs=1, validation_data=_ds().batch(32)), TypeError,
+     "fit(validation_data=...): data must be a dtk.DistributedDataset (or another "
+     "dtk.data.input.DataSource); got _BatchDataset. Wrap a tf.data.Dataset of unbatched "
+     "(features, labels) with dtk.DistributedDataset"),
+    ("plan over devices that cannot split the batch", lambda: dtk.plan(
+        dtk.models.mnist_mlp, devices=3, global_batch_size=128), ValueError,
+     "no candidate can run: every mesh of these devices splits the global batch 128 over a "
+     "batch axis of 3, which does not divide it; use a global_batch_size (--global_batch_size) "
+     "that 3 divides (e.g. 129), or a device count that divides 128"),
     ("plan input_shape the model cannot take", lambda: dtk.plan(
         dtk.models.mnist_mlp, devices=8, global_batch_size=64, input_shape=(32, 32, 1)),
      ValueError, "plan(input_shape=(32, 32, 1)): one example's features have shape (32, 32, 1), "

@@ -67,6 +67,8 @@ LM_CASES = [  # (flags, phrase of the one-line error, or ACCEPTED)
     (["--plot", "{dir}/plan.png", "--mesh", "batch=8"],
      "plan.png draws the planner's candidates: give --explain_plan or --mesh auto"),
     (["--plot", "/proc/nope/plan.png", "--explain_plan"], "is not writable"),
+    (["--plot", "{dir}/plan.txt", "--explain_plan"],  # issue 70: was refused after planning
+     "plan.txt: the chart is an image; name a file ending in .png, .svg or .pdf"),
     # Issue 44: sequence meshes, attention over them, blockwise attention.
     (["--mesh", "batch=2,seq=4", "--seq_len", "18"],
      "--mesh batch=2,seq=4: --seq_len 18 is not divisible by mesh axis 'seq' of size 4"),
@@ -187,6 +189,8 @@ RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in on
     (["--table_sizes", "4096,1001,256,16"], "table1.embeddings"),
     (["--dim", "0"], "--dim must be a positive integer; got 0"),
     (["--heldout_examples", "0"], "--heldout_examples must be a positive integer; got 0"),
+    (["--heldout_examples", "1"], "--heldout_examples 1: the held-out set has 1 click(s) and "
+                                  "0 non-click(s), and its AUC needs both; hold out more"),
     (["--epochs", "0"], "--epochs must be a positive integer; got 0"),
     (["--global_batch_size", "0"], "--global_batch_size must be a positive integer; got 0"),
     (["--train_examples", "0"], "--train_examples must be a positive integer; got 0"),

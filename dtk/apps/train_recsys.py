@@ -95,6 +95,14 @@ def _setup():
     except ValueError as e:
         flag = "--data_seed" if str(e).startswith("seed ") else "--table_sizes"
         raise UsageError(f"{flag}: {e}") from None
+    if FLAGS.heldout_examples < 10_000:  # a small held-out set may hold one class only
+        labels, _ = log.labels_and_logits("heldout", FLAGS.heldout_examples)
+        clicked = int((labels > 0.5).sum())
+        if clicked in (0, labels.size):  # its AUC is undefined: refused before training
+            raise UsageError(
+                f"--heldout_examples {FLAGS.heldout_examples}: the held-out set has {clicked} "
+                f"click(s) and {labels.size - clicked} non-click(s), and its AUC needs both; "
+                "hold out more examples (the default is 50,000)")
     factory = functools.partial(models.dlrm, table_sizes=sizes, dim=FLAGS.dim)
     planned = None
     if FLAGS.mesh == cli.AUTO_MESH or FLAGS.explain_plan:
@@ -227,8 +235,8 @@ def run() -> dict:
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
         return {}
-    best = log.best_auc(FLAGS.heldout_examples)
     heldout_labels, heldout_logits = log.labels_and_logits("heldout", FLAGS.heldout_examples)
+    best = log.best_auc(FLAGS.heldout_examples)
     say(f"click log: seed {FLAGS.data_seed}, tables {list(log.config.table_sizes)}, "
         f"{FLAGS.train_examples:,} training and {FLAGS.heldout_examples:,} held-out examples; "
         f"click rate {heldout_labels.mean():.3f}; best achievable AUC {best:.4f} (log loss "
@@ -272,7 +280,7 @@ def run() -> dict:
 
     history = trainer.fit(train, epochs=FLAGS.epochs, on_epoch_end=[report])
     if not curve or curve[-1]["step"] != trainer.global_step:  # resumed after the last epoch
-        report(FLAGS.epochs - 1, {"loss": float("nan")})
+        report(FLAGS.epochs - 1, {"loss": (history.history.get("loss") or [float("nan")])[-1]})
     auc, loss = curve[-1]["auc"], curve[-1]["log_loss"]
     say(f"held-out: AUC {auc:.4f}, {best - auc:.4f} below the best achievable {best:.4f}; log "
         f"loss {loss:.4f} ({FLAGS.heldout_examples:,} examples)", flush=True)

@@ -1012,8 +1012,9 @@ def _row_sharded_embedding_call(self, inputs):
     layout = self._dtk_table_layout  # pylint: disable=protected-access
     out = row_sharded_lookup(self.embeddings, inputs, layout, self._dtk_batch_axis,  # pylint: disable=protected-access
                              name=self.name)
-    if getattr(self, "_dtk_sparse", False):  # dtk.train.sparse differentiates w.r.t. the output
-        self._dtk_lookups.append((inputs, out))  # pylint: disable=protected-access
+    lookups = getattr(self, "_dtk_lookups", None)  # a training step's forward pass records:
+    if getattr(self, "_dtk_sparse", False) and lookups is not None:  # dtk.train.sparse
+        lookups.append((inputs, out))  # differentiates w.r.t. the output
     if self._dtype_policy.compute_dtype != self._dtype_policy.variable_dtype:  # pylint: disable=protected-access
         out = tf.cast(out, self._dtype_policy.compute_dtype)  # pylint: disable=protected-access
     return out

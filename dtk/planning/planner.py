@@ -886,8 +886,23 @@ def choose(candidates: Sequence[Candidate]) -> Candidate:
                                         c.memory["total"]))
     runnable = [c for c in candidates if c.rejected is None]
     if not runnable:
+        reasons = list(dict.fromkeys(c.rejected for c in candidates))  # each reason once
+        split = [re.fullmatch(r"global batch (\d+) is not divisible by batch=(\d+)", r)
+                 for r in reasons]
+        if all(split):  # every mesh of these devices: one fix, said once
+            batch = int(split[0].group(1))
+            sizes = sorted({int(m.group(2)) for m in split})
+            raise PlanError(
+                f"no candidate can run: every mesh of these devices splits the global batch "
+                f"{batch} over a batch axis of {' or '.join(map(str, sizes))}, which does not "
+                f"divide it; use a global_batch_size (--global_batch_size) that "
+                f"{sizes[0]} divides (e.g. {batch + sizes[0] - batch % sizes[0]}), or a device "
+                f"count that divides {batch} (--virtual_devices, DTK_VIRTUAL_DEVICES)")
+        first = {}  # the first candidate of each reason
+        for c in candidates:
+            first.setdefault(c.rejected, c)
         raise PlanError("no candidate can run: " + "; ".join(
-            f"{c.label}: {c.rejected}" for c in candidates[:4]))
+            f"{c.label}: {reason}" for reason, c in list(first.items())[:4]))
     best = min(runnable, key=lambda c: c.memory["total"])
     memory, budget = best.memory, best.budget
     parts = " + ".join(f"{k} {_mib(v)}" for k, v in memory.items() if k != "total" and v)

@@ -137,7 +137,9 @@ class SparseTables:
             table.layer._dtk_lookups = []  # pylint: disable=protected-access
 
     def lookups(self) -> list[tuple[tf.Tensor, tf.Tensor]]:
-        """After the forward pass: the (ids, output) pairs of every table, in table order."""
+        """After the forward pass: the (ids, output) pairs of every table, in table order; the
+        tables record nothing after it (evaluation, prediction) until the next
+        ``start_recording``."""
         out = []
         for table in self.tables:
             pairs = table.layer._dtk_lookups  # pylint: disable=protected-access
@@ -147,6 +149,7 @@ class SparseTables:
                     "sparse update has no rows; call every table, or pass "
                     "StepConfig(sparse_tables=False)")
             out.append(pairs)
+            table.layer._dtk_lookups = None  # pylint: disable=protected-access
         return out
 
     def outputs(self, recorded) -> list[tf.Tensor]:
@@ -322,7 +325,7 @@ def _record_lookups(layer: tf_keras.layers.Embedding) -> None:
 
     def call(inputs):
         out = keras_call(inputs)
-        if getattr(layer, "_dtk_sparse", False):
+        if getattr(layer, "_dtk_lookups", None) is not None:  # a training step's forward pass
             ids = inputs if inputs.dtype in (tf.int32, tf.int64) else tf.cast(inputs, tf.int32)
             layer._dtk_lookups.append((ids, out))  # pylint: disable=protected-access
         return out

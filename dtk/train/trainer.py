@@ -354,8 +354,8 @@ class Trainer:
     def _check_data(self, data: Any, *, stacked: int, where: str = "data") -> None:
         if not isinstance(data, DataSource):
             raise TypeError(
-                f"data must be a dtk.DistributedDataset (or another dtk.data.input.DataSource); got "
-                f"{type(data).__name__}. Wrap a tf.data.Dataset of unbatched (features, labels) "
+                f"{where}: data must be a dtk.DistributedDataset (or another dtk.data.input."
+                f"DataSource); got {type(data).__name__}. Wrap a tf.data.Dataset of unbatched (features, labels) "
                 "with dtk.DistributedDataset(dataset, mesh, dtk.InputConfig(global_batch_size="
                 "...)); numpy arrays first with tf.data.Dataset.from_tensor_slices((x, y))")
         if data.mesh is not self.mesh and data.mesh != self.mesh:
