@@ -182,7 +182,7 @@ def test_launched_clients_start_quietly(monkeypatch):
 
 def test_ray_workers_start_quietly_with_one_line(monkeypatch, capsys):
     dtk_ray = pytest.importorskip(
-        "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk-dtensor[ray]'")
+        "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'ray[train,tune]' (dtk's ray extra)")
     import logging  # pylint: disable=g-import-not-at-top
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     envs = dtk_ray.worker_envs(

@@ -256,3 +256,23 @@ def test_planned_memory_counts_the_sharded_update_of_large_weights_only():
     got = layouts.memory_per_device(plan, optimizer_slots=2, shard_optimizer_state=True)
     assert got["optimizer"] == 3 * large // 8 + 2 * small
     assert got["weights"] == large + small
+
+
+def test_an_optional_rule_that_matches_nothing_is_a_note_not_a_warning(tmp_path):
+    """Issue 70: the shipped MoE tables printed "WARNING: 4 rule(s) matched nothing" on the
+    README's own commands: their dense-MLP rules serve models with only some expert blocks.
+    Such a rule is ``optional = true``: matching nothing is a note in the plan (strict too),
+    never silent; a rule not marked optional still warns."""
+    rules = ('[[rules]]\npattern = "d[12].kernel"\ndims = ["unsharded", "model"]\n'
+             '[[rules]]\npattern = "d[12].bias"\ndims = ["model"]\n'
+             '[[rules]]\npattern = "d9.kernel"\ndims = ["unsharded", "model"]\noptional = true\n')
+    mesh = dtk.build_mesh("batch=4,model=2")
+    plan = layouts.plan_weights(_table(tmp_path, rules), mesh, MLP_PATHS, strict=True)
+    assert plan.unused_rules == ()
+    assert any("optional rule(s) ['d9.kernel'] (for other variants of the model) match no weight"
+               in w for w in plan.warnings)
+    assert "WARNING" not in layouts.explain(plan).splitlines()[-1]
+    assert "note: optional rule(s) ['d9.kernel']" in layouts.explain(plan)
+    with pytest.raises(ValueError, match=r"rule 3 \('d9.kernel'\): optional must be true or "
+                                         r"false; got 'yes'"):
+        _table(tmp_path, rules.replace("optional = true", 'optional = "yes"'))

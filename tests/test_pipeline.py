@@ -2,6 +2,7 @@
 GPipe or 1F1B schedule, each stage its own compiled forward and backward: one device's losses
 with dropout, on every mesh and schedule."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -342,3 +343,20 @@ def test_a_checkpoint_of_stages_resumes_on_any_mesh_with_or_without_stages(tmp_p
         np.testing.assert_allclose(losses, want[begin:begin + 2], rtol=1e-5, err_msg=spec)
         if spec == "batch=8":  # the whole model's checkpoint, for the stages
             saved = _save(tmp_path / "whole", model, opt, 5)
+
+
+def test_a_rule_another_stage_uses_is_no_warning():
+    """Issue 70: ``train_lm.py --mesh stage=2,batch=4`` printed "WARNING: 2 rule(s) matched
+    nothing" for each stage (the head's rules on the first, the embeddings' on the last). A
+    rule no stage uses is still one."""
+    pipe = pipeline.build(LM, dtk.build_mesh("stage=2,batch=4"), "transformer_lm", seed=7)
+    for plan in pipe.plans:
+        assert plan.unused_rules == ()
+        assert "WARNING" not in layouts.explain(plan).splitlines()[-1]
+    assert any("['head\\\\.bias', 'head\\\\.kernel'] match weights of other stages" in w
+               for w in pipe.plans[0].warnings), pipe.plans[0].warnings
+    table = layouts.load_table("transformer_lm")
+    extra = dataclasses.replace(table, rules=table.rules + (
+        layouts.LayoutRule(pattern="nothing", dims=(None,)),))
+    pipe = pipeline.build(LM, dtk.build_mesh("stage=2,batch=4"), extra, seed=7)
+    assert all([r.pattern for r in p.unused_rules] == ["nothing"] for p in pipe.plans)

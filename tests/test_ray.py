@@ -11,9 +11,9 @@ import pytest
 
 from tests import procs
 
-ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'dtk-dtensor[ray]'")
+ray = pytest.importorskip("ray", reason="the Ray backend is optional: pip install 'ray[train,tune]' (dtk's ray extra)")
 dtk_ray = pytest.importorskip(
-    "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'dtk-dtensor[ray]'")
+    "dtk.cluster.ray", reason="the Ray backend is optional (needs ray): pip install 'ray[train,tune]' (dtk's ray extra)")
 
 # One training function for the single process and for every Ray worker: 3 epochs of 4 steps.
 TRAIN = textwrap.dedent("""

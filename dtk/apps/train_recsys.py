@@ -124,7 +124,9 @@ def _setup():
         cli.refuse_stage_axis(spec, "train_recsys.py")
     spec, mesh, table = cli.mesh_and_table(lambda name: getattr(FLAGS, name, None))
     if planned is not None:
-        table = planned.layout_table()
+        table = planned.layout_table(others=[  # the MLPs' rules, as the shipped table's
+            r for r in layouts.load_table("recsys_batch_rows").rules
+            if not r.pattern.startswith("table")])
     elif not FLAGS["layout"].present:
         if "model" in spec.axis_names:
             table = layouts.load_table("recsys")  # the tables' rows over `model`, not `batch`

@@ -1,4 +1,4 @@
-"""Search MNIST hyper-parameters with Ray Tune over dtk runs (``pip install 'dtk-dtensor[ray]'``).
+"""Search MNIST hyper-parameters with Ray Tune over dtk runs (``pip install 'ray[train,tune]'``: dtk's ray extra).
 
     python scripts/tune_mnist.py --trials 4 --epochs 3                 # single-process trials, batch=4
     python scripts/tune_mnist.py --trials 4 --workers 2 --mesh batch=8  # each trial: 2 Ray Train workers
@@ -218,7 +218,7 @@ def run() -> dict:
         from ray import tune  # pylint: disable=g-import-not-at-top
         from ray.tune.schedulers import ASHAScheduler  # pylint: disable=g-import-not-at-top
     except ImportError as e:
-        raise UsageError(f"Ray Tune is not installed ({e}); pip install 'dtk-dtensor[ray]'") from None
+        raise UsageError(f"Ray Tune is not installed ({e}); pip install 'ray[train,tune]', dtk's ray extra") from None
 
     storage = os.path.abspath(FLAGS.storage_path or tempfile.mkdtemp(prefix="dtk-tune-"))
     temporary = FLAGS.storage_path is None

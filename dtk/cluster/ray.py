@@ -1,4 +1,4 @@
-"""dtk on a Ray cluster: a Ray Train backend for DTensor clients (``pip install 'dtk-dtensor[ray]'``).
+"""dtk on a Ray cluster: a Ray Train backend for DTensor clients (``pip install 'ray[train,tune]'``: dtk's ray extra).
 
     from ray.train import ScalingConfig, RunConfig, FailureConfig
     import dtk.cluster.ray
@@ -58,7 +58,7 @@ try:
     from ray.train.backend import Backend, BackendConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 except ImportError as _e:  # pragma: no cover - depends on the install
-    raise ImportError(f"dtk.cluster.ray needs Ray Train: pip install 'dtk-dtensor[ray]' ({_e})") from _e
+    raise ImportError(f"dtk.cluster.ray needs Ray Train: pip install 'ray[train,tune]', dtk's ray extra ({_e})") from _e
 
 from dtk import _env
 from dtk.cluster import env as cluster

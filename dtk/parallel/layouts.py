@@ -66,6 +66,9 @@ class LayoutRule:
     pattern: str
     dims: tuple[str | None, ...]
     note: str = ""
+    # A rule for a variant of the model (the dense blocks beside expert blocks when only every
+    # other block is one): matching nothing is a note in the plan, not a WARNING.
+    optional: bool = False
 
     def spec(self) -> str:
         return "[" + ", ".join(d or UNSHARDED for d in self.dims) + "]"
@@ -203,7 +206,11 @@ def _parse_table(data: dict[str, Any], source: str) -> LayoutTable:
             if d is not None and d not in axes:
                 fail(f"rule {i + 1} ({pattern!r}) names axis {d!r}, which is not in the table's "
                      f"axes {list(axes)}")
-        rules.append(LayoutRule(pattern=pattern, dims=parsed, note=str(raw.get("note", ""))))
+        variant = raw.get("optional", False)
+        if not isinstance(variant, bool):
+            fail(f"rule {i + 1} ({pattern!r}): optional must be true or false; got {variant!r}")
+        rules.append(LayoutRule(pattern=pattern, dims=parsed, note=str(raw.get("note", "")),
+                                optional=variant))
     return LayoutTable(name=str(data.get("name", Path(source).stem)),
                        description=str(data.get("description", "")), axes=axes,
                        optional_axes=optional, default=default, rules=tuple(rules), source=source,
@@ -481,7 +488,11 @@ def plan_weights(table: LayoutTable, mesh: dtensor.Mesh, weights, *, strict: boo
             split *= sizes[axis] if axis else 1
         planned.append(WeightPlan(path=path, shape=shape, dtype=tf.as_dtype(dtype).name, rule=rule,
                                   dims=dims, bytes_per_device=total // split, bytes_total=total))
-    unused = tuple(r for r in table.rules if r.pattern not in used)
+    unused = tuple(r for r in table.rules if r.pattern not in used and not r.optional)
+    variants = [r.pattern for r in table.rules if r.pattern not in used and r.optional]
+    if variants:
+        warnings.append(f"optional rule(s) {variants} (for other variants of the model) match no "
+                        "weight of this one")
     if unused:
         message = (f"layout table {table.name!r}: rule(s) {[r.pattern for r in unused]} match no "
                    "weight of this model")

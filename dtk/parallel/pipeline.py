@@ -404,6 +404,27 @@ class Pipeline:
         return "\n".join(lines)
 
 
+def _rules_unused_by_every_stage(plans: list) -> list:
+    """Each stage's plan, where a rule another stage uses is not "unused" (the embedding's rule
+    matches nothing on the last stage, the head's nothing on the first): a note, not a
+    WARNING. A rule no stage uses stays one."""
+    unused = [{r.pattern for r in p.unused_rules} for p in plans]
+    nowhere = set.intersection(*unused) if unused else set()
+    out = []
+    for plan, mine in zip(plans, unused):
+        elsewhere = sorted(mine - nowhere)
+        notes = tuple(w for w in plan.warnings if not (elsewhere and "match no weight" in w
+                                                       and not w.startswith("optional")))
+        if elsewhere:
+            still = sorted(mine & nowhere)
+            notes += ((f"layout table {plan.table.name!r}: rule(s) {still} match no weight of "
+                       "any stage",) if still else ()) + (
+                f"rule(s) {elsewhere} match weights of other stages",)
+        out.append(dataclasses.replace(plan, unused_rules=tuple(
+            r for r in plan.unused_rules if r.pattern in nowhere), warnings=notes))
+    return out
+
+
 def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table, *, seed: int,
           config: PipelineConfig = PipelineConfig(), allow_replicated: bool = False) -> Pipeline:
     """Builds ``model_factory``'s model in stages over ``mesh``'s stage axis.
@@ -460,5 +481,6 @@ def build(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, table
         object.__setattr__(model, "_dtk_stage", (s, len(meshes)))
         models.append(model)
         plans.append(plan)
+    plans = _rules_unused_by_every_stage(plans)
     return Pipeline(mesh=mesh, meshes=tuple(meshes), models=tuple(models), plans=tuple(plans),
                     units=names, crossing=crossing, whole=whole)

@@ -1458,8 +1458,8 @@ def plot_plan(p: Plan, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     except ImportError:
-        raise ValueError("drawing the plan needs matplotlib: pip install 'dtk-dtensor[bench]' (or pip "
-                         "install matplotlib)") from None
+        raise ValueError("drawing the plan needs matplotlib: pip install matplotlib (dtk's bench "
+                         "extra)") from None
     timed = [c for c in p.candidates if c.rejected is None and c.predicted_ms is not None]
     fig, ax = plt.subplots(figsize=(9, 6))
     for fits, color, label in ((True, "tab:blue", "fits the budget"),

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import Any
 
 ITEMSIZE = 4  # float32 tables
 NEAR = 1.25  # meshes whose bytes moved are within this factor of the fewest are a tie
@@ -206,13 +207,14 @@ class TablePlan:
     def memory(self) -> int:
         return sum(o.memory for o in self.chosen)
 
-    def layout_table(self, *, name: str = "recsys_planned"):
+    def layout_table(self, *, name: str = "recsys_planned", others: Sequence[Any] = ()):
         """The choice as a layout table (``dtk.parallel.layouts.LayoutTable``): one rule per
-        sharded table; everything else replicated."""
+        table (a replicated one too), then ``others``, the rules of the model's other weights
+        (the recommender's MLPs); a weight none names is replicated, with the plan's warning."""
         from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
         rules = tuple(layouts.LayoutRule(pattern=re.escape(o.table.path), dims=o.dims,
                                          note=f"planned: {o.label()}")
-                      for o in self.chosen if o.kind != "replicated")
+                      for o in self.chosen) + tuple(others)
         used = {o.axis for o in self.chosen if o.axis}
         return layouts.LayoutTable(
             name=name, description=f"embedding tables placed by dtk.planning.tables on "
