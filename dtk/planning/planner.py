@@ -61,6 +61,10 @@ from typing import Any
 from dtk import _env
 
 _log = logging.getLogger("dtk")
+# What the planner is measuring, while it measures (a minute or more before its first answer):
+# its own level, so that quieting the timed builds' notes (``_log``) leaves it shown.
+_progress = logging.getLogger("dtk.planning.progress")
+_progress.setLevel(logging.INFO)
 
 MIB = 1024 * 1024
 # Coordination-service keys are written once: each post gets the next number (every client
@@ -874,16 +878,25 @@ def pipeline_candidates(profile: ModelProfile, table, splits: dict[int, StageSpl
     return out
 
 
+# Candidates that fit and are predicted within this factor of the fastest are a tie: the cost
+# model is not finer than that. A tie goes to the one that is simpler to run.
+TIE = 1.01
+TIE_RULE = (f"the fastest candidate that fits; those within {TIE - 1:.0%} of it are a tie, which "
+            "goes to the sharded update (not FSDP), then no remat, then one stage, then less "
+            "memory")
+
+
+def _tie_key(c: Candidate) -> tuple:
+    return (c.update == "fsdp", c.remat, c.stages > 1, c.memory["total"])
+
+
 def choose(candidates: Sequence[Candidate]) -> Candidate:
-    """The fastest candidate that fits (ties: less memory); ``PlanError`` when none fits."""
+    """The chosen candidate, by ``TIE_RULE``; ``PlanError`` when none fits."""
     feasible = [c for c in candidates if c.fits]
     if feasible:
-        # Ties (within 1%) go to the sharded update (dtk's default, fewer collectives), then to
-        # less memory.
         fastest = min(c.predicted_ms or 0.0 for c in feasible)
-        near = [c for c in feasible if (c.predicted_ms or 0.0) <= fastest * 1.01]
-        return min(near, key=lambda c: (c.update == "fsdp", c.remat, c.stages > 1,
-                                        c.memory["total"]))
+        near = [c for c in feasible if (c.predicted_ms or 0.0) <= fastest * TIE]
+        return min(near, key=_tie_key)
     runnable = [c for c in candidates if c.rejected is None]
     if not runnable:
         reasons = list(dict.fromkeys(c.rejected for c in candidates))  # each reason once
@@ -993,7 +1006,10 @@ def calibrate_machine(device_type: str, devices: int, *, cache: str | None = Non
                                   gather={int(k): tuple(v) for k, v in cached["gather"].items()})
     gather = {}
     small, large = 4 * 1024, 4 * MIB  # bytes per device after the gather
-    for size in [n for n in range(2, devices + 1) if devices % n == 0]:
+    sizes = [n for n in range(2, devices + 1) if devices % n == 0]
+    for i, size in enumerate(sizes):
+        _progress.info("plan: timing gathers over an axis of %d devices (%d of %d axis sizes; "
+                       "cached for the next run)", size, i + 1, len(sizes))
         mesh = mesh_lib.build_mesh(f"batch={devices // size},model={size}", device_type=device_type)
         points = []
         for nbytes in (small, large):
@@ -1066,7 +1082,14 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
         batch = 2 * half
     rng = np.random.default_rng(0)
 
+    built = [0]
+
     def step_fn(rows: int, remat: Sequence[str] = (), k: int = 1, fsdp: bool = False):
+        built[0] += 1
+        _progress.info("plan: timing the model's step, variant %d of %d: %d rows%s%s%s on "
+                       "batch=%d", built[0], len(variants) + 1, rows, ", remat" if remat else "",
+                       f", {k} microbatches" if k > 1 else "", ", fsdp" if fsdp else "",
+                       devices)
         model, _ = layouts.build_model(model_factory, mesh, table, seed=0,
                                        input_shape=_build_shape(input_shape),
                                        input_dtype=_build_dtype(input_dtype),
@@ -1471,9 +1494,21 @@ def plot_plan(p: Plan, path: str) -> None:
     chosen = p.chosen
     ax.scatter([chosen.memory["total"] / MIB], [chosen.predicted_ms], color="tab:red", marker="*",
                s=250, label=f"chosen: {chosen.label}", zorder=3)
+    # Candidates at the same point (the same memory and time, e.g. remat or not where remat
+    # saves nothing) share one label; labels of nearby points are stacked, not drawn over.
+    at: dict[tuple[float, float], list[str]] = {}
     for c in timed:
-        ax.annotate(c.label, (c.memory["total"] / MIB, c.predicted_ms), fontsize=6,
-                    xytext=(4, 2), textcoords="offset points")
+        at.setdefault((round(c.memory["total"] / MIB, 1), round(c.predicted_ms, 1)),
+                      []).append(c.label)
+    span_x = max((x for x, _ in at), default=1.0) - min((x for x, _ in at), default=0.0) or 1.0
+    span_y = max((y for _, y in at), default=1.0) - min((y for _, y in at), default=0.0) or 1.0
+    placed: list[tuple[float, float]] = []
+    for (x, y), labels in sorted(at.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        near = sum(1 for px, py in placed  # a label runs right of its point
+                   if -0.1 * span_x < x - px < 0.35 * span_x and abs(py - y) < 0.04 * span_y)
+        placed.append((x, y))
+        ax.annotate(" / ".join(labels), (x, y), fontsize=6, xytext=(4, 2 + 8 * near),
+                    textcoords="offset points")
     if chosen.budget is not None:
         ax.axvline(chosen.budget / MIB, color="tab:red", linestyle="--",
                    label=f"budget {chosen.budget / MIB:.0f} MiB per device")
@@ -1498,6 +1533,8 @@ def explain_plan(p: Plan) -> str:
              *(("experts", "all-to-all") if moe else ()),
              *(("bubble", "boundary") if staged else ()), "ms/step", "")]
     best = p.chosen
+    fastest = min((c.predicted_ms or 0.0 for c in p.candidates if c.fits and not c.rejected),
+                  default=best.predicted_ms or 0.0)
     for c in sorted(p.candidates, key=lambda c: (c.predicted_ms is None, c.predicted_ms or 0)):
         if c.rejected:
             rows.append((c.label, "", "", "", "", "", "", *(("", "") if moe else ()),
@@ -1509,7 +1546,11 @@ def explain_plan(p: Plan) -> str:
         elif not c.fits:
             why = f"over budget by {_mib(m['total'] - c.budget)}"
         else:
-            why = f"slower (+{(c.predicted_ms or 0) / (best.predicted_ms or 1) - 1:.0%})"
+            ratio = (c.predicted_ms or 0) / (best.predicted_ms or 1) - 1
+            if (c.predicted_ms or 0.0) <= fastest * TIE:  # as choose() decides
+                why = f"a tie ({ratio:+.1%}): the tie goes to the chosen one"
+            else:
+                why = f"slower ({ratio:+.0%})"
         rows.append((c.label, *(f"{m[k] / MIB:.1f}" for k in (
             "weights", "optimizer", "gradients", "gathered", "activations", "total")),
             *((f"{c.experts_bytes / MIB:.1f}", f"{c.all_to_all_bytes / MIB:.1f}") if moe else ()),
@@ -1554,6 +1595,7 @@ def explain_plan(p: Plan) -> str:
                      "build time the layout table's sequence_attention (auto: the default) times "
                      "the all-gather against the all-to-all to heads (Ulysses) on the chosen mesh "
                      "and uses the faster, and the log says which (dtk.parallel.sequence)")
+    lines.append(f"chosen: {TIE_RULE}")
     lines.append(f"plan: {best.label}: predicted {best.predicted_ms:.1f} ms/step, "
                  f"{_mib(best.memory['total'])} per device")
     return "\n".join(lines)
