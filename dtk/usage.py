@@ -41,7 +41,8 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
     options = argv[1:argv.index("--")] if "--" in argv else argv[1:]
     asked = [a for a in options if a in _HELP_FLAGS]
     if asked:
-        doc = (sys.modules.get(module) or sys.modules["__main__"]).__doc__ or ""
+        doc = _examples_for(argv[0], (sys.modules.get(module) or sys.modules["__main__"]).__doc__
+                            or "")
         if _HELP_FLAGS[asked[0]]:
             own = values.module_help(module) if module else values.main_module_help()
             text = f"{doc.rstrip()}\n\nflags:\n{own}\n\n(--helpfull lists every flag)"
@@ -61,6 +62,19 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
         print(f"error: {lines[0] if lines else type(e).__name__}; see --help", file=sys.stderr,
               flush=True)
     sys.exit(2)
+
+
+def _examples_for(program: str, doc: str) -> str:
+    """A script's help, its examples written for how it was run: a console script
+    (``dtk-train-mnist``, from a wheel: no ``scripts/`` and no ``../shared`` beside it) reads
+    its own name and a placeholder for the data directory."""
+    import os  # pylint: disable=g-import-not-at-top
+    import re  # pylint: disable=g-import-not-at-top
+    name = os.path.basename(program)
+    if not name or name.endswith(".py"):
+        return doc
+    doc = re.sub(r"python scripts/\w+\.py", name, doc)
+    return re.sub(r"\.\./shared/data/(\w+)", r"/path/to/\1", doc)
 
 
 def run_app(main: Callable[[list[str]], Any], *, module: str | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import errno
 import json
 import os
@@ -469,3 +470,17 @@ def test_help_into_a_closed_pipe_is_no_traceback_and_dtk_ray_is_an_attribute():
                             "print(dtk.ray.DTensorTrainer.__name__)\n", timeout=120)
     assert done.returncode == 0 and done.stdout.split()[-1] == "DTensorTrainer", \
         done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("app", ["train_mnist", "train_lm", "train_recsys", "tune_mnist"])
+def test_console_script_help_shows_its_own_name_and_no_checkout_paths(app):
+    """Issue 70: ``dtk-train-mnist --help`` showed ``python scripts/train_mnist.py`` and
+    ``../shared`` examples, which a wheel user does not have; ``python scripts/...`` keeps them."""
+    from dtk import usage  # pylint: disable=import-outside-toplevel
+    doc = ast.get_docstring(ast.parse((procs.REPO / "dtk" / "apps" / f"{app}.py").read_text()),
+                            clean=False)  # (importing two apps would define their flags twice)
+    program = "dtk-" + app.replace("_", "-")
+    text = usage._examples_for(f"/venv/bin/{program}", doc)  # pylint: disable=protected-access
+    assert f"    {program} " in text, text
+    assert "python scripts/" not in text and "../shared" not in text, text
+    assert usage._examples_for(f"scripts/{app}.py", doc) == doc  # pylint: disable=protected-access
