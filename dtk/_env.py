@@ -41,6 +41,8 @@ def apply_gpu_defaults() -> None:
     os.environ.setdefault(GPU_NCCL_ENV, "1")
 
 
+# The variables set before dtk set any (``dtk-env`` tells the user's from dtk's defaults).
+USER_SET = frozenset(os.environ)
 # Whether the user chose TensorFlow's C++ log level (dtk then shows what that level shows).
 _USER_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL" in os.environ
 

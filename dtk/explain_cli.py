@@ -23,7 +23,8 @@ from dtk import usage
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = usage.ArgumentParser(prog="dtk-explain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="mlp", help="a model of dtk.models.MODEL_SPECS")
+    parser.add_argument("--model", default="mlp", help="one of dtk's models: " + "; ".join(
+        f"{name} ({what})" for name, (_, _, what) in _MODELS.items()))
     parser.add_argument("--mesh", default="batch=8", help="mesh spec, e.g. batch=4,model=2")
     parser.add_argument("--layout", default=None,
                         help="table name or .toml path (default: the model's own table)")
@@ -40,13 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.factory:
             factory, table = _factory(args.factory), args.layout or "data_parallel"
-        elif args.model not in models.MODEL_SPECS:
+        elif args.model not in _MODELS:
             raise ValueError(f"--model {args.model!r} is unknown; choose one of "
-                             f"{', '.join(models.MODEL_SPECS)}, or pass --factory "
-                             "module:function")
+                             f"{', '.join(_MODELS)}, or pass --factory module:function")
         else:
-            spec = models.MODEL_SPECS[args.model]
-            factory, table = spec.factory, args.layout or spec.layout
+            name, table, _ = _MODELS[args.model]
+            factory, table = _factory_of(models, name), args.layout or table
         mesh_spec = mesh.parse_mesh_spec(args.mesh)
         built = mesh.build_mesh(mesh_spec, device_type="cpu",
                                 virtual_devices=mesh_spec.num_devices)
@@ -63,6 +63,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(text)
     return 0
+
+
+# Every model of dtk's applications, with the layout table its application starts from, and
+# what it is (``--help``). Kept as names: the launcher's help must not load TensorFlow.
+_MODELS = {
+    "mlp": ("mnist_mlp", "data_parallel", "the MNIST MLP of dtk-train-mnist"),
+    "cnn": ("mnist_cnn", "cnn_data_parallel", "dtk-train-mnist --model cnn"),
+    "lm": ("transformer_lm", "transformer_lm", "the byte LM of dtk-train-lm, at its defaults"),
+    "lm_moe": ("transformer_lm:moe", "transformer_lm_moe_batch",
+               "dtk-train-lm --moe_experts 8: experts over batch"),
+    "dlrm": ("dlrm", "recsys_batch_rows", "the click model of dtk-train-recsys, its default "
+             "tables"),
+}
+
+
+def _factory_of(models, name: str):
+    import functools  # pylint: disable=g-import-not-at-top
+    if name == "transformer_lm:moe":
+        return functools.partial(models.transformer_lm, moe_experts=8, moe_group_size=32)
+    return getattr(models, name)
 
 
 def _factory(text: str):

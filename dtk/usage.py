@@ -39,6 +39,9 @@ def parse_flags(argv: list[str], *, module: str | None = None) -> list[str]:
     from absl import flags  # pylint: disable=g-import-not-at-top
     values = flags.FLAGS
     options = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+    if "--version" in options:
+        print(version_line(argv[0]))
+        sys.exit(0)
     asked = [a for a in options if a in _HELP_FLAGS]
     if asked:
         doc = _examples_for(argv[0], (sys.modules.get(module) or sys.modules["__main__"]).__doc__
@@ -110,9 +113,22 @@ def entry_point(main: Callable[[list[str]], Any], module: str) -> Callable[[], N
     return lambda: run_app(main, module=None if module == "__main__" else module)
 
 
+def version_line(program: str) -> str:
+    """What ``--version`` prints: the command and dtk's version (no TensorFlow loaded)."""
+    import os  # pylint: disable=g-import-not-at-top
+    from dtk._version import __version__  # pylint: disable=g-import-not-at-top
+    return f"{os.path.basename(program) or 'dtk'} (dtk {__version__}); dtk-env reports the rest"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` with dtk's conventions: a mistake is one ``error:`` line (an unknown option
-    with the closest option names) and exit status 2; ``--help`` exits 0 as usual."""
+    with the closest option names) and exit status 2; ``--help`` exits 0 as usual; ``--version``
+    prints dtk's version."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=version_line(self.prog),
+                          help="print dtk's version and exit")
 
     def error(self, message: str):  # type: ignore[override]
         hint = ""

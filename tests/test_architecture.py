@@ -12,7 +12,7 @@ import pytest
 
 DTK = Path(__file__).resolve().parent.parent / "dtk"
 RANK = {"helpers": 0, "cluster": 1, "parallel": 2, "data": 3, "train": 4, "planning": 5, "front": 6}
-FRONT = {"dtk", "dtk.cli", "dtk.explain_cli", "dtk.models"}
+FRONT = {"dtk", "dtk.cli", "dtk.explain_cli", "dtk.env_cli", "dtk.models"}
 _MOVED = {"dtk." + p.stem for p in DTK.glob("*.py")
           if "_moved.redirect(" in p.read_text()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import errno
 import json
+import re
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import tempfile
 
 import pytest
 
+import dtk
 from dtk import cli
 from dtk.cluster import launch as launch_lib
 from tests import procs
@@ -302,7 +304,7 @@ COMMANDS = [
       for name in sorted(os.listdir(os.path.join(procs.REPO, "scripts"))) if name.endswith(".py")],
     *[[os.path.join(_BIN, tool)] for tool in ("dtk-train-mnist", "dtk-train-lm",
                                              "dtk-train-recsys", "dtk-tune-mnist",
-                                             "dtk-explain")],
+                                             "dtk-explain", "dtk-env")],
     [sys.executable, "-m", "dtk.cluster.launch"], [os.path.join(_BIN, "dtk-launch")],
 ]
 ABSL = {"bench_checkpoint.py", "bench_input.py", "keras_io_pages.py", "keras_io_zoo.py",
@@ -484,3 +486,36 @@ def test_console_script_help_shows_its_own_name_and_no_checkout_paths(app):
     assert f"    {program} " in text, text
     assert "python scripts/" not in text and "../shared" not in text, text
     assert usage._examples_for(f"scripts/{app}.py", doc) == doc  # pylint: disable=protected-access
+
+
+_DTK_COMMANDS = [c for c in COMMANDS if _name(c) in ABSL | {"dtk-explain", "dtk-env", "dtk-launch",
+                                                          "dtk.cluster.launch"}
+                 and ("scripts" not in c[-1] or _name(c) in {"train_mnist.py", "train_lm.py",
+                                                              "train_recsys.py", "tune_mnist.py"})]
+
+
+@pytest.mark.parametrize("command", _DTK_COMMANDS, ids=_name)
+def test_every_dtk_command_prints_its_version(command):
+    """Issue 70: ``--version`` (as Keras's, Lightning's and Accelerate's tools answer it)."""
+    res = _run(command, "--version")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"(dtk {dtk.__version__})" in res.stdout, res.stdout
+
+
+def test_dtk_env_reports_versions_devices_and_the_settings_dtk_makes():
+    """Issue 70: an environment report, as ``accelerate env`` / ``ray --version`` give: the
+    versions, the devices, and which DTensor settings are dtk's defaults and which the user's."""
+    env = procs.base_env(DTK_OFFLINE="1")
+    env["LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"] = "1"
+    env.pop("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", None)
+    res = subprocess.run([os.path.join(_BIN, "dtk-env")], capture_output=True, text=True,
+                         timeout=120, cwd=procs.REPO, env=env)
+    assert res.returncode == 0 and not res.stderr.strip(), res.stderr[-2000:]
+    out = res.stdout
+    assert out.startswith(f"dtk {dtk.__version__} (")
+    assert re.search(r"packages: tensorflow 2\.\d+\.\d+, tf_keras 2\.\d+", out), out
+    assert "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2: you set '1'" in out
+    assert "DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION: dtk's 0" in out
+    assert "DTK_OFFLINE=1" in out
+    assert re.search(r"devices: \d+ CPU cores; TensorFlow sees 1 CPU, 0 GPU, 0 TPU", out), out
+    assert "layout tables: " in out and "data_parallel" in out
