@@ -28,6 +28,19 @@ PY
 "$tmp/venv/bin/python" -m dtk.cluster.launch --help > /dev/null
 "$tmp/venv/bin/dtk-launch" --help > /dev/null
 "$tmp/venv/bin/dtk-explain" --model mlp --mesh batch=4,model=2 --layout mlp_model_parallel | tail -n 1
+"$tmp/venv/bin/dtk-explain" --model dlrm --mesh batch=8 | tail -n 1
+"$tmp/venv/bin/dtk-env" | head -n 3
+"$tmp/venv/bin/dtk-train-mnist" --version
+# The license the metadata names ships with the wheel.
+python - "$wheel" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+found = [n for n in names if n.endswith("/LICENSE") or "/licenses/LICENSE" in n]
+assert found, [n for n in names if "dist-info" in n]
+text = zipfile.ZipFile(sys.argv[1]).read(found[0]).decode()
+assert "Apache License" in text and "Version 2.0, January 2004" in text, text[:200]
+print("wheel smoke: license", found[0])
+PY
 for tool in dtk-train-mnist dtk-train-lm dtk-train-recsys dtk-tune-mnist; do
     "$tmp/venv/bin/$tool" --help > /dev/null
     set +e; "$tmp/venv/bin/$tool" --bogus_flag 2> "$tmp/err.txt"; code=$?; set -e

@@ -519,3 +519,14 @@ def test_dtk_env_reports_versions_devices_and_the_settings_dtk_makes():
     assert "DTK_OFFLINE=1" in out
     assert re.search(r"devices: \d+ CPU cores; TensorFlow sees 1 CPU, 0 GPU, 0 TPU", out), out
     assert "layout tables: " in out and "data_parallel" in out
+
+
+def test_the_api_reference_is_what_the_code_says():
+    """Issue 70: an API reference, generated from the code (``dtk.__all__``'s names, their
+    signatures and docstrings): API.md must be regenerated when they change."""
+    res = subprocess.run([sys.executable, "scripts/api_reference.py", "--check"],
+                         capture_output=True, text=True, timeout=300, cwd=procs.REPO,
+                         env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = (procs.REPO / "API.md").read_text()
+    assert all(f"## dtk.{name}\n" in text for name in dtk.__all__ if name != "__version__")
