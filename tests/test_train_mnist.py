@@ -1,5 +1,6 @@
 """scripts/train_mnist.py end to end, in subprocesses on 8 virtual CPUs, on the real offline MNIST."""
 
+import re
 import json
 import os
 import subprocess
@@ -92,9 +93,12 @@ print("RESULT", loss, acc)
 
 def test_explain_layouts_prints_and_exits():
     res = _run("--mesh", "batch=4,model=2", "--layout", "mlp_model_parallel", "--explain_layouts",
-               "--dataset", "idx", "--data_dir", DATA)
+               "--dataset", "idx", "--data_dir", DATA, "--device_memory_gb", "1")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "d1.kernel" in res.stdout and "model" in res.stdout
+    # issue 70: with a budget, whether the plan fits it, and the arithmetic
+    assert re.search(r"memory budget: weights .* \+ optimizer state .* = .* per device: fits the "
+                     r"budget of 1\.0 GiB", res.stdout), res.stdout[-1000:]
 
 
 def test_offline_tfds_fails_in_one_line(tmp_path):

@@ -487,7 +487,18 @@ def test_each_epoch_is_reported_once(capsys, caplog, verbose):
                   if part.startswith("6/6 [") and "val_loss" in part]
         assert len(finals) == 2, out[-2000:]
         assert not epoch_lines, epoch_lines
+        assert "val_examples" not in out  # issue 70: a count printed as 640.0000
     else:
         assert "Epoch" not in out
         assert [m.split(" - ")[0] for m in epoch_lines] == ["epoch 1/2", "epoch 2/2"]
         assert all("val_loss" in m for m in epoch_lines)
+        assert all(re.search(r"val_examples: \d+( |$)", m) for m in epoch_lines), epoch_lines
+
+
+def test_a_run_counted_in_steps_says_steps_not_epochs(capsys):
+    """Issue 70: the LM's ``--steps 600 --eval_every 100`` printed "Epoch 1/6": a run that
+    max_steps ends says which steps each bar covers."""
+    trainer = _trainer(verbose=1, steps_per_execution=1, max_steps=10)
+    trainer.fit(_data(trainer.mesh), epochs=2)
+    out = capsys.readouterr().out
+    assert "Steps 1-6 of 10" in out and "Steps 7-10 of 10" in out and "Epoch" not in out, out

@@ -423,15 +423,17 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
     say(f"pipeline: {stages} stages, {config.microbatches} microbatches, {config.schedule}; "
         f"bubble (S - 1) / (M + S - 1) = {pipeline.bubble(stages, config.microbatches):.1%}\n"
         + pipe.explain(), flush=True)
-    if FLAGS.explain_layouts:
-        for s, plan in enumerate(pipe.plans):
-            print(f"-- stage {s}\n{layouts.explain(plan)}")
-        return {}
     memory = [layouts.memory_per_device(plan, optimizer_slots=2) for plan in pipe.plans]
     if FLAGS.device_memory_gb:
         for stage, plan in enumerate(pipe.plans):
             layouts.check_memory_budget(plan, FLAGS.device_memory_gb * 2 ** 30, stage=stage,
                                         optimizer_slots=2)
+    if FLAGS.explain_layouts:
+        for s, plan in enumerate(pipe.plans):
+            print(f"-- stage {s}\n{layouts.explain(plan)}")
+            if FLAGS.device_memory_gb:
+                print(layouts.budget_note(memory[s], FLAGS.device_memory_gb * 2 ** 30))
+        return {}
     steps = pipeline_steps.PipelineSteps(
         pipe, loss="sparse_categorical_crossentropy", optimizer="adamw", config=config,
         optimizer_kwargs={"learning_rate": FLAGS.learning_rate, "weight_decay": 0.01,
@@ -624,6 +626,8 @@ def run() -> dict:
         return {**summary, "auto_plan": cli.plan_summary(auto_plan)} if summary else summary
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
+        if FLAGS.device_memory_gb:
+            print(layouts.budget_note(memory, FLAGS.device_memory_gb * 2 ** 30))
         return {}
 
     corpus, unigram = _load_text(say)

@@ -166,14 +166,17 @@ def run() -> dict:
     if FLAGS.explain_layouts or FLAGS.device_memory_gb:
         plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                     fsdp=FLAGS.fsdp)
+        memory = None
         if FLAGS.device_memory_gb:
-            layouts.check_memory_budget(
+            memory = layouts.check_memory_budget(
                 plan, FLAGS.device_memory_gb * 2 ** 30,
                 optimizer_slots=optimizers.SLOTS.get(optimizer_name, 2),
                 shard_optimizer_state=(FLAGS.shard_optimizer_state is not False
                                        and mesh.dim_size(dtk.BATCH_AXIS) > 1))
         if FLAGS.explain_layouts:
             print(layouts.explain(plan))
+            if memory is not None:
+                print(layouts.budget_note(memory, FLAGS.device_memory_gb * 2 ** 30))
             return {}
 
     spe = "auto" if FLAGS.steps_per_execution == "auto" else int(FLAGS.steps_per_execution)

@@ -236,6 +236,8 @@ def run() -> dict:
     say(dtk.describe_mesh(mesh), flush=True)
     if FLAGS.explain_layouts:
         print(layouts.explain(plan))
+        if FLAGS.device_memory_gb:
+            print(layouts.budget_note(memory, FLAGS.device_memory_gb * 2 ** 30))
         return {}
     heldout_labels, heldout_logits = log.labels_and_logits("heldout", FLAGS.heldout_examples)
     best = log.best_auc(FLAGS.heldout_examples)

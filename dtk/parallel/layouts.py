@@ -1355,6 +1355,14 @@ def check_memory_budget(plan: LayoutPlan, budget_bytes: float, *, stage: int | N
     return memory
 
 
+def budget_note(memory: dict[str, int], budget_bytes: float) -> str:
+    """The line that says a plan fits its budget (``check_memory_budget`` passed), with the
+    arithmetic, for ``--explain_layouts --device_memory_gb``."""
+    return (f"memory budget: weights {_bytes(memory['weights'])} + optimizer state "
+            f"{_bytes(memory['optimizer'])} = {_bytes(memory['total'])} per device: fits the "
+            f"budget of {_bytes(int(budget_bytes))} (--device_memory_gb; activations not counted)")
+
+
 # -- explainer ------------------------------------------------------------------------------------
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -510,13 +510,22 @@ class Trainer:
             # As Keras's fit ends: the weights become their moving average (Adam(use_ema=True))
             self.optimizer.finalize_variable_values(self.model.trainable_variables)
 
+    def _epoch_header(self, epoch: int, steps_per_epoch: int) -> str:
+        """Keras's "Epoch 2/6", or, for a run counted in steps (``max_steps`` ends it before its
+        epochs do, as the LM's ``--steps`` with ``--eval_every``), "Steps 101-200 of 600"."""
+        last = self.config.max_steps
+        if last is None or last > self._epochs * steps_per_epoch:
+            return f"Epoch {epoch + 1}/{self._epochs}"
+        first = epoch * steps_per_epoch + 1
+        return f"Steps {first}-{min(first + steps_per_epoch - 1, last)} of {last}"
+
     def _done(self) -> bool:
         return self.config.max_steps is not None and self.global_step >= self.config.max_steps
 
     def _run_epoch(self, data, epoch, skip, steps_per_epoch, on_step_end):
         progbar = self._progbar = None
         if self.config.verbose == 1 and cluster.is_lead_client():
-            print(f"Epoch {epoch + 1}/{self._epochs}")
+            print(self._epoch_header(epoch, steps_per_epoch))
             # Finished by _log_epoch with the epoch's figures (validation's too): one line each.
             progbar = self._progbar = tf_keras.utils.Progbar(
                 steps_per_epoch, stateful_metrics=[*self._metric_names(), "val_loss", "val_examples",
@@ -843,13 +852,16 @@ class Trainer:
             note = (f" (stopped by {preemption.signal_name(self._stop.signum)})"
                     if self._stop.signum is not None else
                     f" (stopped at max_steps={self.config.max_steps})")
-        if self._progbar is not None:
-            self._progbar.update(self._progbar_steps, list(logs.items()), finalize=True)
+        if self._progbar is not None:  # (a count of examples is no average: in the logs only)
+            self._progbar.update(self._progbar_steps, [(k, v) for k, v in logs.items()
+                                                       if not k.endswith("examples")],
+                                 finalize=True)
             self._progbar = None
             if note:
                 _log.info("epoch %d/%d%s", epoch + 1, epochs, note)
         elif cluster.is_lead_client() and self.config.verbose:
-            text = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
+            text = " - ".join(f"{k}: {int(v)}" if k.endswith("examples") else f"{k}: {v:.4f}"
+                              for k, v in logs.items())
             _log.info("epoch %d/%d - %s%s", epoch + 1, epochs, text, note)
         if writer is not None:
             with writer.as_default():
