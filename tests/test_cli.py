@@ -530,3 +530,14 @@ def test_the_api_reference_is_what_the_code_says():
     assert res.returncode == 0, res.stderr[-2000:]
     text = (procs.REPO / "API.md").read_text()
     assert all(f"## dtk.{name}\n" in text for name in dtk.__all__ if name != "__version__")
+
+
+def test_a_missing_text_file_is_named_before_tensorflow_loads():
+    """Issue 70: ``--text_file`` naming no file was reported after TensorFlow's start (14 s on
+    a newcomer's machine)."""
+    code = ("import sys\nsys.argv = ['train_lm.py', '--text_file', '/no/such/corpus.txt']\n"
+            "from dtk.apps import train_lm\ntry:\n    train_lm.entry()\n"
+            "except SystemExit as e:\n    print('loaded', 'tensorflow' in sys.modules, e.code)\n")
+    res = procs.run_python(code, timeout=120)
+    assert res.stdout.split()[-2:] == ["False", "2"], (res.stdout, res.stderr[-2000:])
+    assert "error: --text_file '/no/such/corpus.txt' is not a file" in res.stderr

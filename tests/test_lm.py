@@ -318,6 +318,14 @@ def test_train_lm_seq_len_longer_than_the_text_names_the_flag(tmp_path):
     assert len(errors) == 1 and "--seq_len 100000 needs windows of 100001 bytes" in errors[0], \
         res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+    # Issue 70: the sample of the user's own text starts from that text, not from "def main(".
+    res = subprocess.run(
+        [sys.executable, str(procs.REPO / "scripts" / "train_lm.py"), "--text_file", str(corpus),
+         "--seq_len", "32", "--steps", "2", "--eval_every", "2", "--layers", "1", "--dim", "32",
+         "--heads", "4", "--global_batch_size", "8", "--sample_bytes", "4"],
+        capture_output=True, text=True, timeout=200, cwd=procs.REPO, env=procs.base_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "sample:\ndef f(x):" in res.stdout, res.stdout[-500:]
 
 
 @pytest.mark.slow

@@ -62,12 +62,20 @@ flags.DEFINE_list("pipeline_boundaries", None, "On a mesh with a stage axis: the
                   "each stage after the first (e.g. block2_ln1); default: stages of balanced "
                   "cost between the model's blocks.")
 flags.DEFINE_string("text_file", None, "Train on this text file instead of the stdlib source.")
-flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end.")
+flags.DEFINE_string("prompt", "def main(", "Prompt for the sample generated at the end (with "
+                    "--text_file and no --prompt: the first bytes of the held-out text's first "
+                    "line).")
 flags.DEFINE_integer("sample_bytes", 160, "Bytes to generate (0: no sample).")
 flags.DEFINE_float("temperature", 0.7, "Sampling temperature: > 0 samples, 0 is greedy (which "
                    "repeats itself on a small model).")
 
 
+
+
+def _check_text_file():
+    """Before TensorFlow loads (``cli.main``'s precheck) and in ``_check_flags``."""
+    if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
+        raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
 
 
 def _check_flags():
@@ -92,8 +100,7 @@ def _check_flags():
         raise UsageError(f"--temperature must be >= 0 (0: greedy); got {FLAGS.temperature}")
     if not 0 <= FLAGS.dropout < 1:
         raise UsageError(f"--dropout must be in [0, 1); got {FLAGS.dropout}")
-    if FLAGS.text_file and not os.path.isfile(FLAGS.text_file):
-        raise UsageError(f"--text_file {FLAGS.text_file!r} is not a file")
+    _check_text_file()
     cli.check_shared_flags(lambda name: getattr(FLAGS, name, None))
     _check_moe_flags()
     _check_pipeline_flags()
@@ -366,6 +373,16 @@ def _check_pipeline(mesh, factory):
     return meshes[0]
 
 
+def _prompt(corpus) -> bytes:
+    """The sample's prompt: ``--prompt`` as given; else, on the user's own text, the first bytes
+    of its held-out part's first line (a sample of that text, not of Python's ``def main(``)."""
+    if FLAGS["prompt"].present or not FLAGS.text_file:
+        return FLAGS.prompt.encode()
+    lines = [line.strip() for line in corpus.heldout.splitlines() if line.strip()]
+    start = lines[0] if lines else corpus.heldout
+    return start[:max(1, min(16, FLAGS.seq_len - 1))] or b" "
+
+
 def _load_text(say):
     """The corpus, checked against --seq_len, and its byte-unigram entropy (said)."""
     from dtk.data import text  # pylint: disable=g-import-not-at-top
@@ -528,7 +545,7 @@ def _run_pipeline(spec, mesh, table, factory, say) -> dict:
         f"({windows} windows)", flush=True)
     sample = b""
     if FLAGS.sample_bytes:
-        sample = generate(steps, pipe.meshes[0], FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
+        sample = generate(steps, pipe.meshes[0], _prompt(corpus), seq_len=FLAGS.seq_len,
                           n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
         say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
     exported = steps.export(factory, FLAGS.export_dir) if FLAGS.export_dir else None
@@ -681,7 +698,7 @@ def run() -> dict:
         f"({final['examples']} windows)", flush=True)
     sample = b""
     if FLAGS.sample_bytes:
-        sample = generate(trainer, mesh, FLAGS.prompt.encode(), seq_len=FLAGS.seq_len,
+        sample = generate(trainer, mesh, _prompt(corpus), seq_len=FLAGS.seq_len,
                           n=FLAGS.sample_bytes, temperature=FLAGS.temperature, seed=FLAGS.seed)
         say("sample:\n" + sample.decode("utf-8", errors="replace"), flush=True)
     exported = trainer.export(FLAGS.export_dir) if FLAGS.export_dir else None
@@ -713,7 +730,7 @@ def run() -> dict:
 def main(argv):
     from dtk import cli  # pylint: disable=g-import-not-at-top
     return cli.main(argv, run, verbose=FLAGS["verbosity"].present,
-                    summary_json=FLAGS.summary_json)
+                    summary_json=FLAGS.summary_json, precheck=_check_text_file)
 
 
 
