@@ -189,6 +189,8 @@ RECSYS_CASES = [  # train_recsys.py: every check before training (_setup), in on
     (["--table_sizes", "4096,1001,256,16"], "table1.embeddings"),
     (["--dim", "0"], "--dim must be a positive integer; got 0"),
     (["--heldout_examples", "0"], "--heldout_examples must be a positive integer; got 0"),
+    (["--max_steps", "0"], "--max_steps must be a positive integer; got 0"),  # issue 70
+    (["--max_steps", "20"], ACCEPTED),
     (["--heldout_examples", "1"], "--heldout_examples 1: the held-out set has 1 click(s) and "
                                   "0 non-click(s), and its AUC needs both; hold out more"),
     (["--epochs", "0"], "--epochs must be a positive integer; got 0"),
