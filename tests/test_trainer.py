@@ -502,3 +502,21 @@ def test_a_run_counted_in_steps_says_steps_not_epochs(capsys):
     trainer.fit(_data(trainer.mesh), epochs=2)
     out = capsys.readouterr().out
     assert "Steps 1-6 of 10" in out and "Steps 7-10 of 10" in out and "Epoch" not in out, out
+
+
+@pytest.mark.parametrize("one_ms, stacked_ms, want", [
+    (17.11, 11.41, 8),   # two runs of the same MNIST command here measured 6.5 and 3.8 ms of
+    (16.21, 12.86, 8),   # overhead a call, and chose 19 and 8: now both keep the probe's 8
+    (17.0, 16.9, 1),     # stacking saves under 3%: one step per call
+    (3.0, 0.2, 8),       # nearly all overhead: 19 (capped at 32, a divisor of 190), within 4x
+])
+def test_auto_steps_per_call_is_the_same_for_the_same_run(one_ms, stacked_ms, want):
+    """Issue 70: "auto" chose 1, 8 or 19 on similar runs."""
+    from dtk.train import trainer as trainer_lib
+    auto = trainer_lib._AutoSteps(None, verbose=False)  # pylint: disable=protected-access
+    for _ in range(trainer_lib.AUTO_CALIBRATION_CALLS):
+        auto.observe(one_ms / 1e3, 1, 190)
+    assert auto.steps_per_call == trainer_lib.AUTO_PROBE_STEPS and not auto.decided
+    for _ in range(3):  # the first stacked call traces: not timed
+        auto.observe(stacked_ms * auto.steps_per_call / 1e3, auto.steps_per_call, 190)
+    assert auto.decided and auto.steps_per_call == want
