@@ -1,4 +1,4 @@
-"""dtk's folders import only downward (BUILD.md, "Architecture"), read from the code's own imports.
+"""dtk's folders import only downward (ARCHITECTURE.md), read from the code's own imports.
 
 planning -> train -> data -> parallel -> cluster -> the top-level helpers. The front ends at the top
 (``__init__``, ``cli``, ``explain_cli``) and the reference models (``models``: they mark their
@@ -67,3 +67,17 @@ def test_the_front_ends_are_imported_by_no_library_module():
                        if _layer(_module_name(p)) != "front"
                        and {_layer(d) for d in _dtk_imports(p) if d != "dtk"} & {"front"})
     assert not importers, importers
+
+
+def test_architecture_md_names_every_module():
+    """Issue 70/71: ARCHITECTURE.md has one line per module; a new module must get its line."""
+    text = (DTK.parent / "ARCHITECTURE.md").read_text()
+    missing = []
+    table = text.split("## One line per module")[1].split("\n## ")[0]
+    for path in MODULES:
+        short = _module_name(path).removeprefix("dtk.").replace(".", "/")
+        if path.name == "__init__.py" and short != "dtk":
+            continue  # a folder: the folders' table
+        if f"`{'__init__' if short == 'dtk' else short}`" not in table:
+            missing.append(short)
+    assert not missing, f"modules without a line in ARCHITECTURE.md: {missing}"
