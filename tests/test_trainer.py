@@ -517,6 +517,6 @@ def test_auto_steps_per_call_is_the_same_for_the_same_run(one_ms, stacked_ms, wa
     for _ in range(trainer_lib.AUTO_CALIBRATION_CALLS):
         auto.observe(one_ms / 1e3, 1, 190)
     assert auto.steps_per_call == trainer_lib.AUTO_PROBE_STEPS and not auto.decided
-    for _ in range(3):  # the first stacked call traces: not timed
+    for _ in range(1 + trainer_lib.AUTO_PROBE_CALLS):  # the first stacked call traces
         auto.observe(stacked_ms * auto.steps_per_call / 1e3, auto.steps_per_call, 190)
     assert auto.decided and auto.steps_per_call == want

@@ -982,7 +982,9 @@ def _num_steps(batch) -> int:
 
 
 # steps_per_execution="auto"
-AUTO_CALIBRATION_CALLS = 4      # timed one-step calls (after the first, traced one)
+AUTO_CALIBRATION_CALLS = 8      # timed one-step calls (after the first, traced one)
+AUTO_PROBE_CALLS = 4            # timed stacked calls (after the one that traces): medians of
+                                # 4 and 2 chose 1 in one MNIST run of 3 where stacking saves 30%
 AUTO_PROBE_STEPS = 8            # then stacks of this many: one traced call, two timed
 AUTO_MIN_STEPS = 200            # a fit planned shorter runs one step per call (no calibration)
 AUTO_OVERHEAD_FRACTION = 0.03   # per-call overhead kept under this share of a step
@@ -1017,7 +1019,7 @@ class _AutoSteps:
     """``steps_per_execution="auto"``: measures one-step calls, then stacked calls, and decides.
 
     Phase 1 times ``AUTO_CALIBRATION_CALLS`` one-step calls (``t1`` per step). Phase 2 stacks
-    ``AUTO_PROBE_STEPS`` batches per call and times two calls after the one that traces
+    ``AUTO_PROBE_STEPS`` batches per call and times ``AUTO_PROBE_CALLS`` calls after the one that traces
     (``tp`` per step). The per-call overhead is what stacking saved, ``c = (t1 - tp) * p / (p - 1)``
     (a no-op call underestimates it: a step's call carries every weight, slot and metric);
     ``choose_steps_per_call(t1, c, ...)`` gives the count, kept at the probe's where it is within
@@ -1055,7 +1057,7 @@ class _AutoSteps:
         if self._probe_calls == 1:
             return  # that call traced the stacked step
         self._probe.append(seconds / steps)
-        if len(self._probe) < 2:
+        if len(self._probe) < AUTO_PROBE_CALLS:
             return
         t1, tp, p = float(np.median(self._single)), float(np.median(self._probe)), self.steps_per_call
         if tp >= (1 - AUTO_OVERHEAD_FRACTION) * t1:
