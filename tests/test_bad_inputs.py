@@ -922,7 +922,7 @@ DISTRIBUTE_CASES = [
      (5, 3)),
     ("predict the wrong feature size", lambda: _dm().predict(np.zeros((16, 5), np.float32),
                                                              verbose=0), "clear", ValueError,
-     "is incompatible with the layer"),
+     "predict(x=...): one example's features have shape (5,), but model"),
     ("predict_on_batch", lambda: _dm().predict_on_batch(_DX[:16]).shape, "accepted", None,
      (16, 3)),
     ("train_on_batch of 12 rows", lambda: np.isfinite(_dm().train_on_batch(_DX[:12], _DY[:12])),

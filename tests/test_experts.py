@@ -332,10 +332,9 @@ def test_remat_of_an_expert_layer_is_one_line_naming_it(pattern):
 
 def test_the_routing_line_says_which_flags_drop_fewer():
     """Issue 70: MoE runs logged 37-68% of choices dropped with no hint of what changes it."""
-    from dtk.apps import train_lm  # pylint: disable=import-outside-toplevel
     stats = {"moe_dropped": 0.42, "moe_load_min": 0.1, "moe_load_max": 2.5, "moe_load_mean": 1.0}
-    line = train_lm.routing_line(stats, 1.25)
-    assert line.startswith("  experts: 42.0% of the tokens' choices dropped (capacity factor "
-                           "1.25)")
-    assert "to drop fewer, raise --moe_capacity_factor" in line and "--moe_group_size" in line
-    assert "drop fewer" not in train_lm.routing_line({**stats, "moe_dropped": 0.05}, 1.25)
+    line = experts.describe_routing(stats, 1.25)
+    assert line.startswith("experts: 42.0% of the tokens' choices dropped (capacity factor 1.25)")
+    assert "to drop fewer, raise capacity_factor (--moe_capacity_factor" in line
+    assert "group_size (--moe_group_size" in line
+    assert "drop fewer" not in experts.describe_routing({**stats, "moe_dropped": 0.05}, 1.25)

@@ -339,23 +339,6 @@ def _setup():
     return spec, full_mesh, table, factory, plan, memory, auto_plan
 
 
-# A dropped choice passes its token on by the residual only. Early in training the router is
-# uneven (a few experts take most tokens), so many are dropped; the flags that change it:
-_FEWER_DROPPED = ("; to drop fewer, raise --moe_capacity_factor (slots per expert; more memory "
-                  "and all-to-all bytes) or --moe_group_size (routing groups; the balance loss "
-                  "evens the load as training goes on)")
-
-
-def routing_line(routing: dict, capacity_factor: float) -> str:
-    """The experts' line of an evaluation: what was dropped and the load, and, over 10%
-    dropped, the flags that drop fewer."""
-    return (f"  experts: {routing['moe_dropped']:.1%} of the tokens' choices dropped "
-            f"(capacity factor {capacity_factor}); load per expert, as a multiple of an even "
-            f"share: min {routing['moe_load_min']:.2f}, max {routing['moe_load_max']:.2f}, mean "
-            f"{routing['moe_load_mean']:.2f}"
-            + (_FEWER_DROPPED if routing["moe_dropped"] > 0.1 else ""))
-
-
 def _check_pipeline(mesh, factory):
     """The first stage's sub-mesh, once the model is known to split into the stages asked
     (a lazy build: no weights stored). Raises UsageError naming the flag."""
@@ -687,7 +670,7 @@ def run() -> dict:
             f"{bpb:.3f} bits/byte (unigram {unigram:.3f}), "
             f"{tokens_per_epoch / (now - clock['t']):,.0f} tokens/s", flush=True)
         if routing:
-            say(routing_line(routing, FLAGS.moe_capacity_factor), flush=True)
+            say("  " + experts.describe_routing(routing, FLAGS.moe_capacity_factor), flush=True)
         clock["t"] = now
 
     epochs = -(-FLAGS.steps // FLAGS.eval_every)

@@ -300,6 +300,21 @@ def configure(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str,
     return lines
 
 
+def describe_routing(stats: dict, capacity_factor: float) -> str:
+    """One line on an interval's routing (``routing_stats``): the share of choices dropped and
+    the experts' load, and, over 10% dropped, what drops fewer (a dropped choice passes its
+    token on by the residual only; early in training the router is uneven)."""
+    line = (f"experts: {stats['moe_dropped']:.1%} of the tokens' choices dropped (capacity "
+            f"factor {capacity_factor}); load per expert, as a multiple of an even share: min "
+            f"{stats['moe_load_min']:.2f}, max {stats['moe_load_max']:.2f}, mean "
+            f"{stats['moe_load_mean']:.2f}")
+    if stats["moe_dropped"] > 0.1:
+        line += ("; to drop fewer, raise capacity_factor (--moe_capacity_factor: slots per "
+                 "expert; more memory and all-to-all bytes) or group_size (--moe_group_size: "
+                 "routing groups); the balance loss evens the load as training goes on")
+    return line
+
+
 def routing_stats(model: tf_keras.Model) -> dict[str, float]:
     """The routing statistics of the model's MoE layers since the last ``reset_routing_stats``:
     the fraction of choices dropped and the experts' load (min / max / mean, as fractions of an
