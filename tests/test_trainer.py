@@ -488,6 +488,10 @@ def test_each_epoch_is_reported_once(capsys, caplog, verbose):
         assert len(finals) == 2, out[-2000:]
         assert not epoch_lines, epoch_lines
         assert "val_examples" not in out  # issue 70: a count printed as 640.0000
+        # issue 70: into a log (capsys is no terminal) whole lines, not a bar redrawn by
+        # backspaces: each epoch's header and its last line, nothing between at this speed
+        assert "\b" not in out and "\r" not in out, repr(out[-500:])
+        assert len([line for line in out.splitlines() if line.strip()]) == 4, out
     else:
         assert "Epoch" not in out
         assert [m.split(" - ")[0] for m in epoch_lines] == ["epoch 1/2", "epoch 2/2"]
