@@ -7,6 +7,7 @@ import gc
 import inspect
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -189,11 +190,53 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(autouse=True)
-def _eager_executor_cleared():
+def _eager_executor_cleared(request):
     """A DTensor op that fails at run time poisons the eager executor ("This error cancels all
     future operations and poisons their output tensors") until the error is cleared. A test that
     provokes such a failure on purpose (and checks dtk's message for it) must not fail the tests
     that run after it in the same worker: the whole suite once failed 14 unrelated tests that way
-    ("Unable to copy tensor value for broadcast" at the next model's first variable)."""
+    ("Unable to copy tensor value for broadcast" at the next model's first variable).
+
+    Clearing the context's error is not always enough: twice in 4 runs at stop 77 a worker's
+    DTensor device stayed unusable (the same "Unable to copy tensor value for broadcast" at every
+    later test's first variable, 21-24 tests, after tests that all passed; not reproduced alone
+    or in order). So the device is probed after each test (a scalar copied to an 8-device mesh),
+    and one found unusable is replaced with a fresh one, with a warning that names the test after
+    which it was found (pytest's warnings summary): never silent, and no later test fails for
+    it."""
     yield
     tf.experimental.async_clear_error()
+    if not _dtensor_device_usable():
+        warnings.warn(f"DTensor's device was unusable after {request.node.nodeid}; "
+                      "tests/conftest.py reset it (see _eager_executor_cleared)")
+        tf.experimental.dtensor._reset_dtensor_device(is_async=True)  # pylint: disable=protected-access
+        tf.experimental.async_clear_error()
+        for _ in range(3):  # the next function call re-raises the old error once: take it here
+            if _dtensor_device_usable(function=True):
+                break
+
+
+_PROBE_MESH = []
+
+
+@tf.function
+def _add_one(x):
+    return x + 1.0
+
+
+def _dtensor_device_usable(function: bool = False) -> bool:
+    """Whether a scalar copies to an 8-device mesh and back (the first step of every variable),
+    and (``function``) whether a function runs on it."""
+    from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
+    try:
+        if not _PROBE_MESH:
+            _PROBE_MESH.append(dtk.build_mesh("batch=8"))
+        value = dtensor.copy_to_mesh(tf.constant(1.0),
+                                     dtensor.Layout.replicated(_PROBE_MESH[0], 0))
+        if function:
+            return float(_add_one(value)) == 2.0
+        return float(value) == 1.0
+    except Exception:  # pylint: disable=broad-except
+        tf.experimental.async_clear_error()
+        return False
+
