@@ -26,8 +26,8 @@ _ELEMENTWISE = frozenset({
 
 
 def _shape(value: Any) -> tuple | None:
-    """One example's shape: a spec's or a tensor's dims after the batch dim (``batched``) or all
-    of them (an unbatched ``tf.data`` element)."""
+    """The shape of ``value`` (a spec, tensor or array of ONE example: the callers drop the
+    batch dim), or None where it has none or its rank is unknown."""
     shape = getattr(value, "shape", None)
     if shape is None:
         return None
