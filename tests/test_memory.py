@@ -193,7 +193,9 @@ def test_fsdp_checkpoint_resumes_without_fsdp(tmp_path):
     first.fit(_data(first.mesh, "mlp"), epochs=2)
     second = _trainer("mlp", "batch=4,model=2", checkpoint_dir=str(tmp_path))
     history = second.fit(_data(second.mesh, "mlp"), epochs=2).history["loss"]
-    _check(second, history, "mlp")
+    assert second.run_id == first.run_id  # it resumed the FSDP run, not started again
+    assert second.global_step > 5 and len(history) == 2
+    _check(second, history, "mlp")  # and ends with one device's losses and weights
 
 
 def test_fsdp_plan_and_explainer():
