@@ -45,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--model {args.model!r} is unknown; choose one of "
                              f"{', '.join(_MODELS)}, or pass --factory module:function")
         else:
-            name, table, _ = _MODELS[args.model]
-            factory, table = _factory_of(models, name), args.layout or table
+            factory, table = _model_and_table(models, args.model)
+            table = args.layout or table
         mesh_spec = mesh.parse_mesh_spec(args.mesh)
         built = mesh.build_mesh(mesh_spec, device_type="cpu",
                                 virtual_devices=mesh_spec.num_devices)
@@ -65,11 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# Every model of dtk's applications, with the layout table its application starts from, and
-# what it is (``--help``). Kept as names: the launcher's help must not load TensorFlow.
+# Every model of dtk's applications and what it is (``--help``, which must not load
+# TensorFlow). MNIST's come with their table from ``dtk.models.MODEL_SPECS``; the others with the
+# table their application starts from.
 _MODELS = {
-    "mlp": ("mnist_mlp", "data_parallel", "the MNIST MLP of dtk-train-mnist"),
-    "cnn": ("mnist_cnn", "cnn_data_parallel", "dtk-train-mnist --model cnn"),
+    "mlp": (None, None, "the MNIST MLP of dtk-train-mnist"),
+    "cnn": (None, None, "dtk-train-mnist --model cnn"),
     "lm": ("transformer_lm", "transformer_lm", "the byte LM of dtk-train-lm, at its defaults"),
     "lm_moe": ("transformer_lm:moe", "transformer_lm_moe_batch",
                "dtk-train-lm --moe_experts 8: experts over batch"),
@@ -78,11 +79,16 @@ _MODELS = {
 }
 
 
-def _factory_of(models, name: str):
+def _model_and_table(models, name: str):
+    """``(factory, layout table)`` of ``--model name``."""
     import functools  # pylint: disable=g-import-not-at-top
-    if name == "transformer_lm:moe":
-        return functools.partial(models.transformer_lm, moe_experts=8, moe_group_size=32)
-    return getattr(models, name)
+    if name in models.MODEL_SPECS:
+        spec = models.MODEL_SPECS[name]
+        return spec.factory, spec.layout
+    factory, table, _ = _MODELS[name]
+    if factory == "transformer_lm:moe":
+        return functools.partial(models.transformer_lm, moe_experts=8, moe_group_size=32), table
+    return getattr(models, factory), table
 
 
 def _factory(text: str):

@@ -75,9 +75,9 @@ def call_factory(model_factory: Any) -> Any:
                 f"tf_keras.{found.group(1)}s (tf_keras.optimizers.Adam(...)), or build the whole "
                 "model with Keras 3 (import keras), which dtk.distribute takes too") from None
         found = re.search(r"<class '(keras\.src\.[\w.]+)'>", text)
-        what = found.group(1).rsplit(".", 1)[-1] if found else "a Keras 3 object"
+        what = found.group(1).rsplit(".", 1)[-1] if found else None
         raise TypeError(
-            f"model_factory mixes Keras 3 ({what}, from the keras package) into a tf_keras "
-            "model: the two Kerases' layers do not compose. Build it all with tf_keras ("
-            "tf_keras.layers." + (what if found else "...") + "), or all with keras and pass "
-            "the Keras 3 factory to dtk.distribute") from e
+            f"model_factory mixes Keras 3 ({what or 'an object'}, from the keras package) into a "
+            "tf_keras model: the two Kerases' layers do not compose. Build it all with tf_keras ("
+            f"tf_keras.layers{'.' + what if what else ''}), or all with keras and pass the Keras 3 "
+            "factory to dtk.distribute") from e
