@@ -24,7 +24,7 @@ from dtk import usage
 def main(argv: Sequence[str] | None = None) -> int:
     parser = usage.ArgumentParser(prog="dtk-explain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mlp", help="one of dtk's models: " + "; ".join(
-        f"{name} ({what})" for name, (_, _, what) in _MODELS.items()))
+        f"{name} ({what})" for name, what in _MODELS.items()))
     parser.add_argument("--mesh", default="batch=8", help="mesh spec, e.g. batch=4,model=2")
     parser.add_argument("--layout", default=None,
                         help="table name or .toml path (default: the model's own table)")
@@ -65,30 +65,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# Every model of dtk's applications and what it is (``--help``, which must not load
-# TensorFlow). MNIST's come with their table from ``dtk.models.MODEL_SPECS``; the others with the
-# table their application starts from.
+# Every model of dtk's applications and what it is, for ``--help`` (which must not load
+# TensorFlow). Each comes with its layout table from its spec (``dtk.models.MODEL_SPECS``).
 _MODELS = {
-    "mlp": (None, None, "the MNIST MLP of dtk-train-mnist"),
-    "cnn": (None, None, "dtk-train-mnist --model cnn"),
-    "lm": ("transformer_lm", "transformer_lm", "the byte LM of dtk-train-lm, at its defaults"),
-    "lm_moe": ("transformer_lm:moe", "transformer_lm_moe_batch",
-               "dtk-train-lm --moe_experts 8: experts over batch"),
-    "dlrm": ("dlrm", "recsys_batch_rows", "the click model of dtk-train-recsys, its default "
-             "tables"),
+    "mlp": "the MNIST MLP of dtk-train-mnist",
+    "cnn": "dtk-train-mnist --model cnn",
+    "lm": "the byte LM of dtk-train-lm, at its defaults",
+    "lm_moe": "dtk-train-lm --moe_experts 8: experts over batch",
+    "dlrm": "the click model of dtk-train-recsys, its default tables",
 }
 
 
 def _model_and_table(models, name: str):
-    """``(factory, layout table)`` of ``--model name``."""
-    import functools  # pylint: disable=g-import-not-at-top
-    if name in models.MODEL_SPECS:
-        spec = models.MODEL_SPECS[name]
-        return spec.factory, spec.layout
-    factory, table, _ = _MODELS[name]
-    if factory == "transformer_lm:moe":
-        return functools.partial(models.transformer_lm, moe_experts=8, moe_group_size=32), table
-    return getattr(models, factory), table
+    """``(factory, layout table)`` of ``--model name``: its spec's."""
+    spec = models.MODEL_SPECS[name]
+    return spec.factory, spec.layout
 
 
 def _factory(text: str):

@@ -128,7 +128,7 @@ for name, flags in variants.items():
     sizes = {{k: int(v) for k, v in sizes.items()}}
     table = layouts.load_table(get("--layout", "transformer_lm"))
     fsdp = "--fsdp" in flags
-    plan = layouts.plan_weights(table, planner._Axes(sizes), profile.weights,
+    plan = layouts.plan_weights(table, planner.Axes(sizes), profile.weights,
                                 fsdp_paths=[p for p, _, _ in profile.weights] if fsdp else ())
     zero = "--shard_optimizer_state" in flags or (
         "--noshard_optimizer_state" not in flags and sizes["batch"] > 1)  # the default: auto

@@ -1,7 +1,7 @@
 """dtk's folders import only downward (ARCHITECTURE.md), read from the code's own imports.
 
 planning -> train -> data -> parallel -> cluster -> the top-level helpers. The front ends at the top
-(``__init__``, ``cli``, ``explain_cli``) and the reference models (``models``: they mark their
+(``__init__``, ``cli``, ``explain_cli``) and the reference models (``models/``: they mark their
 sequence dim with ``dtk.parallel.sequence`` layers) may import anything; nothing may import them back.
 """
 
@@ -23,7 +23,7 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
-    if module in FRONT or module.startswith("dtk.apps") or \
+    if module in FRONT or module.startswith(("dtk.apps.", "dtk.models.")) or \
             module in _MOVED:  # the applications, and the old module paths (dtk._moved)
         return "front"
     parts = module.split(".")
@@ -81,3 +81,14 @@ def test_architecture_md_names_every_module():
         if f"`{'__init__' if short == 'dtk' else short}`" not in table:
             missing.append(short)
     assert not missing, f"modules without a line in ARCHITECTURE.md: {missing}"
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """Issue 71: a new folder (``dtk/models/``) must be in setup.cfg's ``packages``, or the
+    installed wheel lacks it while the editable checkout works."""
+    import configparser  # pylint: disable=g-import-not-at-top
+    cfg = configparser.ConfigParser()
+    cfg.read(DTK.parent / "setup.cfg")
+    listed = {p.strip() for p in cfg["options"]["packages"].split(",")}
+    folders = {_module_name(p) for p in DTK.rglob("__init__.py")}
+    assert folders <= listed, f"package folders missing from setup.cfg: {sorted(folders - listed)}"

@@ -132,7 +132,7 @@ def test_the_layer_round_trips_through_its_config():
 def test_one_long_row_takes_the_working_set_the_planner_counts():
     """Forward and backward of one causal row of 8,192 positions (4 heads, blocks of 128) on one
     device grow the process by at most 1.4x the 18 block-sized tensors that attention alone holds
-    (dtk.planning.planner._BLOCKS_LIVE's note): 288 MiB; measured 331-339 MiB with the layer's
+    (dtk.planning.profile.BLOCKS_LIVE's note): 288 MiB; measured 331-339 MiB with the layer's
     projections (2026-11-26), 267 MiB for attention alone since the backward pass chains each
     block's products (``scripts/bench_attention_memory.py``, which this test runs).
     MultiHeadAttention takes 3,984 MiB here. Memory, not time: a busy machine does not change it.

@@ -58,6 +58,22 @@ def test_every_table_plans_on_its_meshes(spec, table, factory):
         assert not any(any(w.dims) for w in plan.weights)    # optional axis: everything unsharded
 
 
+
+@pytest.mark.parametrize("name", sorted(models.MODEL_SPECS))
+def test_every_model_spec_brings_a_table_that_plans_its_model(name):
+    """Issue 71: a model's layout table travels with it (``ModelSpec``, as torchtitan's): each
+    spec's table plans every weight of its model on batch=8, and ``dtk-explain --model`` lists
+    exactly the specs (its TensorFlow-free help cannot drift from them)."""
+    from dtk import explain_cli  # pylint: disable=g-import-not-at-top
+    spec = models.MODEL_SPECS[name]
+    assert spec.name == name and models.MODELS[name] is spec.factory
+    plan = layouts.plan_layouts(spec.layout, dtk.build_mesh("batch=8"), spec.factory,
+                                allow_replicated=True)
+    built = spec.factory()
+    assert sorted(w.path for w in plan.weights) == sorted(p for p, _ in layouts.weight_paths(built))
+    assert explain_cli._model_and_table(models, name) == (spec.factory, spec.layout)
+    assert set(explain_cli._MODELS) == set(models.MODEL_SPECS)
+
 def test_mlp_model_parallel_plan_and_explainer():
     mesh = dtk.build_mesh("batch=4,model=2")
     plan = layouts.plan_layouts("mlp_model_parallel", mesh, models.mnist_mlp, strict=True)

@@ -15,6 +15,7 @@ import pytest
 import dtk
 from dtk import models
 from dtk.planning import planner
+from dtk.planning import profile as model_profile
 from tests import procs
 from tests import test_memory
 
@@ -156,7 +157,7 @@ def test_layers_called_through_their_own_kernels_are_counted():
 
 def test_blockwise_attentions_working_set_is_counted_linear_in_t():
     """Issue 44: blockwise attention's blocks in flight are a layer of the profile (heads x T x
-    block per block, ``_BLOCKS_LIVE`` of them): linear in T, where MultiHeadAttention's scores
+    block per block, ``BLOCKS_LIVE`` of them): linear in T, where MultiHeadAttention's scores
     grow with T^2."""
     def blocks(attention, seq_len):
         profile = planner.profile_model(functools.partial(
@@ -166,7 +167,7 @@ def test_blockwise_attentions_working_set_is_counted_linear_in_t():
 
     small, large = blocks("blockwise", 256), blocks("blockwise", 512)
     name = next(n for n in small if n.endswith("/blocks"))
-    assert small[name] == planner._BLOCKS_LIVE * 4 * 256 * 16  # pylint: disable=protected-access
+    assert small[name] == model_profile.BLOCKS_LIVE * 4 * 256 * 16
     assert large[name] == 2 * small[name]
     assert not any(n.endswith("/blocks") for n in blocks("mha", 256))
     # a block of 256 keys (the default) is counted as one of 128: measured, about what those hold
@@ -174,7 +175,7 @@ def test_blockwise_attentions_working_set_is_counted_linear_in_t():
         models.transformer_lm, vocab=256, seq_len=2048, dim=32, heads=4, layers=1,
         attention="blockwise"))
     assert {l.name: l.out_elements for l in default.layers}[name] == (
-        planner._BLOCKS_LIVE * 4 * 2048 * 128)  # pylint: disable=protected-access
+        model_profile.BLOCKS_LIVE * 4 * 2048 * 128)
 
 
 def test_model_axis_collectives_are_counted_from_the_table():
@@ -193,7 +194,7 @@ def test_a_table_sharded_on_its_rows_is_priced_as_an_all_reduce(tmp_path):
     gathered once; the table's memory per device is the same either way."""
     from tests import test_lm  # pylint: disable=import-outside-toplevel
     rows = tmp_path / "rows.toml"
-    rows.write_text(test_lm._rows_table("model"))  # pylint: disable=protected-access
+    rows.write_text(test_lm._rows_table("model"))
     by_features = {c.label: c for c in _plan().candidates}
     by_rows = {c.label: c for c in _plan(table=str(rows)).candidates}
     label = "batch=2,model=4 zero"
@@ -218,11 +219,11 @@ def test_chosen_plan_trains_like_one_device(kind):
     p = planner.plan(factory, device_memory_gb=(smallest.memory["total"] + 1) / 2 ** 30, **common)
     chosen = p.chosen.config
     assert chosen != free.chosen.config
-    trainer = test_memory._trainer(  # pylint: disable=protected-access
+    trainer = test_memory._trainer(
         kind, chosen["mesh"], fsdp=chosen["fsdp"], remat="model" if chosen["remat"] else (),
         gradient_accumulation_steps=chosen["gradient_accumulation_steps"])
-    history = trainer.fit(test_memory._data(trainer.mesh, kind), epochs=2).history["loss"]  # pylint: disable=protected-access
-    test_memory._check(trainer, history, kind)  # pylint: disable=protected-access
+    history = trainer.fit(test_memory._data(trainer.mesh, kind), epochs=2).history["loss"]
+    test_memory._check(trainer, history, kind)
 
 
 # -- the scripts ------------------------------------------------------------------------------------
