@@ -775,3 +775,105 @@ def test_the_sharded_update_with_fsdp_is_refused_not_ignored():
     """FSDP already stores the optimizer state sharded: asking for both is refused by name."""
     with pytest.raises(ValueError, match=r"shard_optimizer_state=True with fsdp=True.*drop one"):
         dtk.distribute(_mlp, dtk.build_mesh("batch=8"), fsdp=True, shard_optimizer_state=True)
+
+
+# --- dtk.DistributedDataset under Keras's own fit (issue 71: dtk.train.keras_data) ----------------
+
+def _mnist_like(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 28, 28, 1)).astype("float32"),
+            rng.integers(0, 10, n).astype("int64"))
+
+
+def _dataset(mesh, data, *, shuffle=False, remainder="drop", batch=64):
+    return dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices(data), mesh, dtk.InputConfig(
+        global_batch_size=batch, shuffle=shuffle, seed=3, remainder=remainder))
+
+
+_SPARSE = functools.partial(tf_keras.losses.SparseCategoricalCrossentropy, from_logits=True)
+
+
+def _mnist_distributed(mesh, spe=1, dropout=0.0):
+    model = dtk.distribute(functools.partial(dtk.models.mnist_mlp, dropout=dropout), mesh,
+                           layout="mlp_model_parallel" if "model" in mesh.dim_names
+                           else "data_parallel", seed=0, shard_optimizer_state=False)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=_SPARSE(), metrics=["accuracy"],
+                  steps_per_execution=spe)
+    return model
+
+
+@pytest.mark.parametrize("spec", ["batch=8", "batch=4,model=2"])
+def test_a_distributed_dataset_under_keras_fit_trains_as_the_trainer_bit_for_bit(spec):
+    """Issue 71: the Trainer's input, given to Keras's own fit on a dtk.distribute model, trains
+    as dtk.Trainer does: the same shuffled batches (epoch e's order), the same updates: weights
+    and per-epoch logs equal bit for bit, with one step per call and with 4 (stacked on the mesh
+    inside the call). Evaluating padded data counts every example once (the last partial batch
+    whole on every device): the Trainer's loss and accuracy, exactly; predict returns every row
+    in order."""
+    mesh = dtk.build_mesh(spec)
+    data = _mnist_like()
+    table = "mlp_model_parallel" if "model" in spec else "data_parallel"
+    trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, layout=table,
+                          optimizer=dtk.make_optimizer("sgd", mesh, learning_rate=0.1),
+                          loss=_SPARSE(), metrics=["accuracy"],
+                          config=dtk.TrainerConfig(seed=0, verbose=0, steps_per_execution=1,
+                                                   shard_optimizer_state=False))
+    want = trainer.fit(_dataset(mesh, data, shuffle=True), epochs=2)
+    want_eval = trainer.evaluate(_dataset(mesh, data, remainder="pad"))
+    assert want_eval["examples"] == 1000
+    for spe in (1, 4):
+        model = _mnist_distributed(mesh, spe)
+        got = model.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0).history
+        assert got == {k: list(want.history[k]) for k in got}, (spe, got, want.history)
+        for w, v in zip(trainer.model.weights, model.weights):
+            np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=f"{spe}: {v.name}")
+        got_eval = model.evaluate(_dataset(mesh, data, remainder="pad"), verbose=0,
+                                  return_dict=True)
+        assert got_eval == {k: want_eval[k] for k in ("loss", "accuracy")}, (got_eval, want_eval)
+    predicted = model.predict(_dataset(mesh, data, remainder="pad"), verbose=0)
+    np.testing.assert_allclose(predicted, model.predict(data[0], batch_size=64, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    assert predicted.shape == (1000, 10)
+
+
+def test_a_distributed_dataset_resumes_under_keras_fit_at_its_epochs_order(tmp_path):
+    """Issue 71: CheckpointCallback with a shuffled DistributedDataset (and Dropout): killed
+    after epoch 2, the run resumes at epoch 3 reading epoch 3's order (not epoch 1's again),
+    with validation on padded data, and ends with the uninterrupted run's weights and losses,
+    bit for bit."""
+    mesh = dtk.build_mesh("batch=8")
+    data = _mnist_like(512)
+
+    def fit(callbacks):
+        model = _mnist_distributed(mesh, spe=2, dropout=0.2)
+        history = model.fit(_dataset(mesh, data, shuffle=True), epochs=4, verbose=0,
+                            validation_data=_dataset(mesh, tuple(a[:100] for a in data),
+                                                     remainder="pad"),
+                            callbacks=callbacks).history
+        return model, history
+
+    full, full_history = fit([])
+    with pytest.raises(RuntimeError, match="killed"):
+        fit([dtk.CheckpointCallback(tmp_path), _Killed()])
+    callback = dtk.CheckpointCallback(tmp_path)
+    resumed, history = fit([callback])
+    assert callback.restored_epoch == 2
+    assert history["loss"] == full_history["loss"][2:]
+    assert history["val_loss"] == full_history["val_loss"][2:]
+    for w, v in zip(full.weights, resumed.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_predict_with_several_steps_per_call_returns_every_row(spe):
+    """compile(steps_per_execution=4): Keras counts each predict call as 4 batches and keeps
+    what it returns; every batch's outputs come back, in order (before issue 71 the call ran
+    one batch, and predict returned 64 of 200 rows)."""
+    x, _ = _binary_data(200)
+    model = dtk.distribute(_mlp, dtk.build_mesh("batch=8"), seed=0)
+    model.compile(optimizer="sgd", loss="binary_crossentropy", steps_per_execution=spe)
+    got = model.predict(x, batch_size=32, verbose=0)
+    tf_keras.utils.set_random_seed(0)
+    want = _mlp().predict(x, batch_size=32, verbose=0)
+    assert got.shape == (200, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -966,10 +966,15 @@ def _bad_fit_calls():
         "unbatched_validation": (lambda m: m.fit(x, y, batch_size=16, validation_data=unbatched,
                                                  verbose=0),
                                  r"fit\(validation_data=...\): the tf.data dataset is not batched"),
-        "distributed_dataset": (lambda m: m.fit(input_lib.DistributedDataset(
+        # issue 71: Keras's fit takes a DistributedDataset (dtk.train.keras_data); these two not
+        "distributed_dataset_and_y": (lambda m: m.fit(input_lib.DistributedDataset(
             unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
-            verbose=0), r"a dtk.DistributedDataset is dtk.Trainer's input; Keras's fit takes "
-                        r"the tf.data dataset itself, batched"),
+            y, verbose=0), r"^fit\(y=...\): a dtk.DistributedDataset holds its labels"),
+        "distributed_dataset_stacked": (lambda m: m.fit(input_lib.DistributedDataset(
+            unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16,  # pylint: disable=protected-access
+                                                                     steps_per_call=2)),
+            verbose=0), r"^fit\(x=...\): InputConfig\(steps_per_call=2\) stacks batches for "
+                        r"dtk.Trainer; Keras's fit stacks them itself"),
         # issue 70: plain tf_keras refuses these too, but under dtk from inside the traced step
         "x_and_y_lengths": (lambda m: m.fit(x, y[:30], batch_size=16, verbose=0),
                             r"^fit: x has 32 examples, y has 30 examples; give every array"),

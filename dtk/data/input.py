@@ -500,8 +500,9 @@ class DistributedDataset:
         options.autotune.enabled = False
         return dataset.with_options(options)
 
-    def _batches(self, epoch: int, skip_batches: int) -> Iterator[tuple]:
-        """This epoch's global batches as numpy ``(features, labels, weights)``, padded.
+    def _batches(self, epoch: int, skip_batches: int, *, pad: bool = True) -> Iterator[tuple]:
+        """This epoch's global batches as numpy ``(features, labels, weights)``, padded (with
+        ``pad=False``, a last partial batch keeps its real rows: ``keras_batches``).
 
         Continues the stream when the epoch starts where the last one stopped; otherwise (a
         resume, a repeated epoch) restarts it and skips to the position (those batches are read,
@@ -525,7 +526,48 @@ class DistributedDataset:
         for _ in range(self.num_batches - skip_batches):
             element = next(stream.iterator)
             stream.position += 1
-            yield self._pad(element)
+            yield self._pad(element, pad=pad)
+
+    def keras_batches(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[tuple]:
+        """One epoch as the batches Keras's own steps take: ``(features, labels)``, or
+        ``(features, labels, sample_weights)`` for data that carries them, packed on the mesh
+        in a background thread (``prefetch`` ahead), one batch per item.
+
+        What ``fit``/``evaluate``/``predict`` of a ``dtk.distribute`` model read
+        (``dtk.train.keras_data``). A full batch is sharded over the batch axis (and the sequence
+        axis), as ``epoch`` packs it; the last partial batch of ``remainder="pad"`` data is not
+        padded but packed whole on every device (replicated), so that Keras's step divides its
+        loss by its real examples and every example counts once, with Keras's numbers.
+
+        Raises:
+          ValueError: scale mode (``from_function``) with ``remainder="pad"``: each client holds
+            other rows of the partial batch, which no device can hold whole.
+        """
+        if self._local and self.config.remainder == "pad" and not self.infinite and \
+                self.num_examples % self.config.global_batch_size:
+            raise ValueError(
+                "InputConfig(remainder='pad') in scale mode (DistributedDataset.from_function) "
+                "with Keras's fit/evaluate: the last partial batch is split over the clients, "
+                "and Keras's step needs it whole; use remainder='drop', or steps_per_epoch")
+        if not 0 <= skip_batches <= self.num_batches:
+            raise ValueError(f"skip_batches ({skip_batches}) must be in [0, {self.num_batches}]")
+        full = self._rows_per_batch
+
+        def items():
+            for element in self._batches(epoch, skip_batches, pad=False):
+                data = element[:3] if self._has_weights else element[:2]
+                if len(tf.nest.flatten(data[1])[0]) == full:
+                    yield pack(self.mesh, data, batch_axis=self.config.batch_axis,
+                               local=self._local, sequence_axis=self.config.sequence_axis)
+                else:  # the last partial batch, whole on every device
+                    devices = len(self.mesh.local_device_locations())
+                    yield tf.nest.map_structure(
+                        lambda a: dtensor.pack([np.asarray(a)] * devices, dtensor.Layout.replicated(
+                            self.mesh, np.ndim(a))), data)
+
+        if self.config.prefetch == 0:
+            return items()
+        return _prefetch(items(), self.config.prefetch)
 
     def _check_labels(self, labels) -> None:
         classes = self.config.num_classes or self.implied_classes
@@ -547,7 +589,7 @@ class DistributedDataset:
                     f"{bad.flat[0]}; {source}); fix the labels or the number of classes (the "
                     "model's outputs)")
 
-    def _pad(self, element: tuple) -> tuple:
+    def _pad(self, element: tuple, *, pad: bool = True) -> tuple:
         features, labels = element[0], element[1]
         if self.config.num_classes is not None or getattr(self, "implied_classes", None):
             self._check_labels(labels)
@@ -559,7 +601,7 @@ class DistributedDataset:
                 else self.mesh.dim_size(self.config.batch_axis))
         unit = axis * getattr(self, "row_multiple", 1)
         padded = -(-n // unit) * unit
-        if padded > n:
+        if padded > n and pad:
             pad = lambda a: np.concatenate(  # noqa: E731
                 [a, np.zeros((padded - n, *a.shape[1:]), a.dtype)])
             features = tf.nest.map_structure(pad, features)

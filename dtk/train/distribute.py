@@ -53,7 +53,8 @@ from dtk.keras_check import Keras3Model, require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
-from dtk.train import custom_loops, host_inputs, input_checks
+from dtk.data.input import DistributedDataset
+from dtk.train import custom_loops, host_inputs, input_checks, keras_data
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
 from dtk.train.steps import auto_shard_optimizer_state, update_layout
@@ -220,6 +221,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     (see the module docstring); ``distribute`` calls it. Returns ``model``."""
     require_keras2(model, "model")
     custom_loops.install()
+    keras_data.install()
     from dtk.train import checkpoint  # pylint: disable=g-import-not-at-top
     checkpoint.read_sharded_variables_whole()  # get_weights, save_weights(.h5), v.numpy()
     state = MeshState(mesh, batch_axis)
@@ -287,9 +289,14 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                                    and len(args) > weights_at else None))
             if _name == "fit":
                 validation = kwargs.get("validation_data", args[7] if len(args) > 7 else None)
-                if isinstance(validation, tf.data.Dataset):
+                if isinstance(validation, (tf.data.Dataset, DistributedDataset)):
                     _check_data(self, "fit(validation_data=...)", validation, None)
             given = kwargs.get("callbacks", args[5] if len(args) > 5 and _name == "fit" else None)
+            if _name == "fit":  # a DistributedDataset's training adapter claims it
+                x = kwargs.get("x", args[0] if args else None)
+                state.fit_data = x if isinstance(x, DistributedDataset) else None
+                state.start_epoch = int(kwargs.get("initial_epoch",
+                                                   args[9] if len(args) > 9 else 0) or 0)
             keyed = _name == "fit" and _shuffles_arrays(args, kwargs) and any(
                 isinstance(c, CheckpointCallback) for c in tf.nest.flatten(given or []))
             try:
@@ -325,13 +332,10 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
     Raises:
       ValueError: naming the argument, its value or shape, and the fix.
     """
-    from dtk.data.input import DistributedDataset  # pylint: disable=g-import-not-at-top
     where = method if "(" in method else f"{method}(x=...)"
     if isinstance(x, DistributedDataset):
-        raise ValueError(
-            f"{where}: a dtk.DistributedDataset is dtk.Trainer's input; Keras's {method.split('(')[0]} "
-            "takes the tf.data dataset itself, batched (dataset.batch(global_batch_size)): dtk "
-            "lays each batch out over the mesh's batch axis")
+        _check_distributed_dataset(model, where, x, y)
+        return
     inputs = getattr(model, "inputs", None) or []
     if isinstance(x, tf.data.Dataset) and inputs:
         spec = x.element_spec
@@ -371,6 +375,49 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
                 f"{model.name!r}'s output (shape {tuple(outputs[0].shape)}), which the sparse "
                 f"loss needs in [0, {classes}); fix the labels, or give the last layer "
                 f"{high + 1} units")
+
+
+def _check_distributed_dataset(model: tf_keras.Model, where: str, data: Any, y: Any) -> None:
+    """A ``DistributedDataset`` given to Keras (``dtk.train.keras_data``): packed on this model's
+    mesh and batch axis, with its labels and weights inside, and examples the model takes."""
+    state = model._dtk_mesh_state  # pylint: disable=protected-access
+    if y is not None:
+        raise ValueError(f"{where.split('(')[0]}(y=...): a dtk.DistributedDataset holds its labels "
+                         "(its elements are (features, labels[, sample_weights])); drop y")
+    if data.mesh != state.mesh or data.config.batch_axis != state.batch_axis:
+        def axes(mesh):
+            return ",".join(f"{n}={mesh.dim_size(n)}" for n in mesh.dim_names)
+        raise ValueError(
+            f"{where}: the dtk.DistributedDataset packs onto mesh {axes(data.mesh)} (batch axis "
+            f"{data.config.batch_axis!r}), but model {model.name!r} is laid out on "
+            f"{axes(state.mesh)} (batch axis {state.batch_axis!r}); build the dataset with the "
+            "model's mesh and InputConfig(batch_axis=...)")
+    if getattr(model, "_steps_per_execution", None) is not None and \
+            data.config.steps_per_call != 1:
+        raise ValueError(
+            f"{where}: InputConfig(steps_per_call={data.config.steps_per_call}) stacks batches "
+            "for dtk.Trainer; Keras's fit stacks them itself: build the dataset with "
+            "steps_per_call=1 and pass compile(steps_per_execution=...)")
+    if state.host is None and not _overrides(model, "train_step"):
+        spec = data.example_spec  # one example's (unbatched)
+        input_checks.check_features(model, spec[0], where)
+        if "predict" not in where:
+            input_checks.check_targets(model, getattr(model, "loss", None), spec[1], where)
+    if data.implied_classes is None and data.config.num_classes is None:
+        data.implied_classes = _implied_classes(model)
+
+
+def _implied_classes(model: tf_keras.Model) -> int | None:
+    """The class count a sparse loss implies (one output's last dim): integer labels are
+    checked against it on the host, before a step (a label out of range inside a DTensor step
+    fails its collectives)."""
+    loss = getattr(model, "loss", None)
+    sparse = loss in ("sparse_categorical_crossentropy",) or isinstance(
+        loss, tf_keras.losses.SparseCategoricalCrossentropy)
+    outputs = getattr(model, "outputs", None) or []
+    if sparse and len(outputs) == 1 and outputs[0].shape[-1] is not None:
+        return int(outputs[0].shape[-1])
+    return None
 
 
 def _overrides(model: tf_keras.Model, method: str) -> bool:
@@ -556,12 +603,18 @@ def _maker(step_name: str, attr: str) -> Callable:
                     "it was compiled with, so the new one would be silently ignored. Change the "
                     "optimizer's learning rate instead (LearningRateScheduler, "
                     "ReduceLROnPlateau), or compile() again between fits")
-            if training and state.skip_batches:
+            if training and state.skip_batches and not isinstance(
+                    iterator, keras_data.EpochIterator):  # (that one skips in its stream)
                 for _ in range(state.skip_batches):  # trained before the checkpoint
                     next(iterator)
                 state.skip_batches = 0
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
-            per_call = 1 if spe is None or step_name == "predict_step" else int(spe.numpy())
+            per_call = 1 if spe is None else int(spe.numpy())
+            if step_name == "predict_step" and per_call > 1:
+                # Keras counts a call as per_call batches and keeps what it returns: every
+                # batch's outputs, in order (one at a time: a loop would keep only the last's).
+                outputs = [calls([data]) for data in next_batches(iterator, per_call)]
+                return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
             return calls(next_batches(iterator, per_call))
 
         setattr(self, attr, function)
@@ -969,7 +1022,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                           f", after its batch {self.restored_step}" if self.restored_step else "")
             from dtk.parallel import experts  # pylint: disable=g-import-not-at-top
             experts.reset_routing_stats(self.model)  # statistics of the run from here
-            self.model._training_state = _ResumeAt(self.restored_epoch, self.restored_step)  # pylint: disable=protected-access
+            self.model._training_state = _ResumeAt(self.restored_epoch, self.restored_step,  # pylint: disable=protected-access
+                                                   state)
             state.skip_batches = self.restored_step
             if state.shuffle_epoch is not None:  # the resumed epoch's order, as uninterrupted
                 state.shuffle_epoch.assign(self.restored_epoch)
@@ -1029,11 +1083,12 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
 class _ResumeAt:
     """What ``Model.fit`` asks a restored training state: the epoch and batch to start at."""
 
-    def __init__(self, epoch: int, step: int = 0):
-        self.epoch, self.step = epoch, step
+    def __init__(self, epoch: int, step: int = 0, state: MeshState | None = None):
+        self.epoch, self.step, self.state = epoch, step, state
 
     def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
         del steps_per_epoch, mode
-        if initial_epoch > self.epoch:
-            return initial_epoch, 0
-        return self.epoch, self.step
+        start = (initial_epoch, 0) if initial_epoch > self.epoch else (self.epoch, self.step)
+        if self.state is not None:  # where a DistributedDataset's stream starts
+            self.state.start_epoch, self.state.skip_batches = start
+        return start

@@ -44,6 +44,10 @@ class MeshState:
         # CheckpointCallback's signal handlers and the directory's lock are released.
         self.at_fit_end: list[Callable[[], Any]] = []
         self.host: Any = None  # leading string preprocessing layers run on the host
+        # A fit's DistributedDataset (dtk.train.keras_data): its training adapter claims it,
+        # and reads epoch start_epoch + the epochs ended (fit's initial_epoch, or a resume's).
+        self.fit_data: Any = None
+        self.start_epoch = 0
         # Epochs the next shuffle of arrays draws past (a host variable; dtk.distribute's fit
         # with CheckpointCallback and shuffle=True), set by the callback when it resumes.
         self.shuffle_epoch: tf.Variable | None = None
@@ -237,6 +241,12 @@ class MeshCalls:
             return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
 
         self.traced_many = tf.function(many_body, reduce_retracing=False)
+
+        def stacked_body(batches):  # packed batches, stacked here: [n, B, ...] on the mesh
+            return many_body(tf.nest.map_structure(
+                lambda *t: None if t[0] is None else tf.stack(t), *batches))
+
+        self.traced_stacked = tf.function(stacked_body, reduce_retracing=False)
         self._fresh = True
 
     def _remember_layouts(self, outputs) -> None:
@@ -252,6 +262,8 @@ class MeshCalls:
             self._logs_layouts.append(None)
 
     def __call__(self, datas: list) -> Any:
+        if datas and _is_packed(datas[0]):
+            return self.run_packed(datas)
         state, outputs = self.state, None
         if state.host is not None:  # leading string preprocessing, on the host
             datas = [host_inputs.apply(state.host, d) for d in datas]
@@ -261,22 +273,51 @@ class MeshCalls:
                 outputs = self.traced_many(state.pack_stack(datas[:stacked], local=self.local))
                 datas = datas[stacked:]
         for data in datas:
-            batch = state.pack(data, local=self.local)
-            if self.traced.experimental_get_tracing_count() and not self._fresh:
-                outputs = self.traced(batch)
-                continue
-            # Variables Keras makes in the first trace (metrics' state, built on first use) are
-            # made on the mesh, replicated: one not on it computes wrong values there. (Only
-            # then: the scope costs about a millisecond a call.)
-            with dtensor.default_mesh(state.mesh):
-                try:
-                    outputs = self.traced(batch)
-                except _DTENSOR_REFUSALS as e:  # DTensor expands the step before it runs
-                    message = ops.explain_failure(e, graph=self.traced.get_concrete_function(
-                        batch).graph)
-                    if message is None:
-                        raise
-                    raise ValueError(message) from None
-            self._fresh = False
-            self._remember_layouts(outputs)
+            outputs = self._one(state.pack(data, local=self.local))
         return outputs
+
+    def run_packed(self, batches: list) -> Any:
+        """Batches already on the mesh (a ``DistributedDataset``'s, packed in its prefetch
+        thread: ``dtk.train.keras_data``): several of one shape are stacked on the mesh and run
+        as one compiled loop; the rest (the first call, a last partial batch) one by one."""
+        def shapes(batch):
+            return tuple(None if t is None else (tuple(t.shape), t.dtype)
+                         for t in tf.nest.flatten(batch))
+
+        outputs = None
+        if len(batches) > 1 and not self._fresh and self._logs_layouts[0] is not None:
+            first, count = shapes(batches[0]), 1
+            while count < len(batches) and shapes(batches[count]) == first:
+                count += 1
+            if count > 1:
+                outputs = self.traced_stacked(batches[:count])
+                batches = batches[count:]
+        for batch in batches:
+            outputs = self._one(batch)
+        return outputs
+
+    def _one(self, batch: Any) -> Any:
+        """One step on one batch on the mesh."""
+        if self.traced.experimental_get_tracing_count() and not self._fresh:
+            return self.traced(batch)
+        # Variables Keras makes in the first trace (metrics' state, built on first use) are
+        # made on the mesh, replicated: one not on it computes wrong values there. (Only
+        # then: the scope costs about a millisecond a call.)
+        with dtensor.default_mesh(self.state.mesh):
+            try:
+                outputs = self.traced(batch)
+            except _DTENSOR_REFUSALS as e:  # DTensor expands the step before it runs
+                message = ops.explain_failure(e, graph=self.traced.get_concrete_function(
+                    batch).graph)
+                if message is None:
+                    raise
+                raise ValueError(message) from None
+        self._fresh = False
+        self._remember_layouts(outputs)
+        return outputs
+
+
+def _is_packed(data: Any) -> bool:
+    """Whether a batch is on the mesh already (DTensors), not host values to pack."""
+    leaves = [t for t in tf.nest.flatten(data) if t is not None]
+    return bool(leaves) and isinstance(leaves[0], tf.Tensor) and dtensor.is_dtensor(leaves[0])

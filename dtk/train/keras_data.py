@@ -1,0 +1,134 @@
+"""``dtk.DistributedDataset`` as a Keras data adapter: ``model.fit(dataset)`` on a ``dtk.distribute`` model.
+
+Keras's ``fit``, ``evaluate`` and ``predict`` turn their ``x`` into batches through a data adapter
+(``tf_keras``'s ``data_adapter.ALL_ADAPTER_CLS``). This one takes a ``DistributedDataset`` and
+keeps what it adds over a batched ``tf.data`` dataset:
+
+* background packing: each batch is laid out on the mesh in the dataset's prefetch thread
+  (``DistributedDataset.keras_batches``), so a step never waits for its batch's packing;
+* per-client reading: in scale mode (``DistributedDataset.from_function``) each client reads and
+  packs only its own rows;
+* every example counted: the last partial batch of ``remainder="pad"`` data is given whole to
+  every device (not padded), so Keras's step divides its loss by its real examples;
+* exact resume: epoch ``e`` of a shuffled dataset is the same order in every run, and a
+  ``CheckpointCallback`` resume starts at the checkpoint's epoch and batch without packing the
+  batches before it.
+
+Several steps per call (``compile(steps_per_execution=n)``): the compiled call takes the ``n``
+packed batches Keras asks for and stacks them on the mesh inside the call
+(``MeshCalls.run_packed``).
+
+Example::
+
+    model = dtk.distribute(factory, mesh)
+    model.compile(optimizer="sgd", loss=..., metrics=["accuracy"], steps_per_execution=8)
+    train = dtk.DistributedDataset(train_ds, mesh, dtk.InputConfig(global_batch_size=128,
+                                                                   shuffle=True))
+    model.fit(train, epochs=3, validation_data=test, callbacks=[dtk.CheckpointCallback(d)])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tf_keras.src.engine import data_adapter
+
+from dtk.data.input import DistributedDataset
+
+
+class _Epochs:
+    """What the adapter gives Keras as its "dataset": each ``iter()`` is one epoch of batches.
+
+    Keras's ``DataHandler`` calls ``iter()`` once before its first epoch and again at the start
+    of every epoch; an iterator starts reading only at its first ``next()``, so the unused one
+    reads nothing. The epoch it reads is the run's: the epoch ``fit`` starts at (its
+    ``initial_epoch``, or the one a ``CheckpointCallback`` restored) plus the epochs ended since.
+    """
+
+    def __init__(self, dataset: DistributedDataset, state: Any, *, training: bool):
+        self.dataset, self.state, self.training = dataset, state, training
+        self.ended = 0  # epochs Keras ended (the adapter's on_epoch_end)
+
+    def __iter__(self) -> "EpochIterator":
+        return EpochIterator(self)
+
+
+class EpochIterator:
+    """One epoch of packed batches, started at its first ``next()``.
+
+    Training: the epoch is ``state.start_epoch + ended``; the batches a resume skips
+    (``state.skip_batches``, set by ``CheckpointCallback``) are skipped in the stream, unpacked.
+    Evaluation and prediction always read epoch 0 (their order does not change).
+    """
+
+    def __init__(self, epochs: _Epochs):
+        self._epochs = epochs
+        self._batches = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._batches is None:
+            epochs, state = self._epochs, self._epochs.state
+            epoch, skip = 0, 0
+            if epochs.training:
+                epoch = state.start_epoch + epochs.ended
+                skip, state.skip_batches = state.skip_batches, 0
+            self._batches = epochs.dataset.keras_batches(epoch, skip_batches=skip)
+        return next(self._batches)
+
+    def close(self) -> None:
+        """Stops the prefetch thread of an epoch left before its end (``stop_training``)."""
+        if self._batches is not None and hasattr(self._batches, "close"):
+            self._batches.close()
+
+
+class DistributedDatasetAdapter(data_adapter.DataAdapter):
+    """Keras's adapter for a ``DistributedDataset`` given to a ``dtk.distribute`` model."""
+
+    @staticmethod
+    def can_handle(x, y=None):
+        return isinstance(x, DistributedDataset) and y is None
+
+    def __init__(self, x, y=None, *, model=None, **kwargs):  # pylint: disable=super-init-not-called
+        del y, kwargs  # batch_size, shuffle, sample_weight: the dataset's (checked by distribute)
+        state = getattr(model, "_dtk_mesh_state", None)
+        if state is None:
+            raise ValueError(
+                f"a dtk.DistributedDataset is packed on a mesh; model "
+                f"{getattr(model, 'name', model)!r} is not laid out on one. Make it with "
+                "dtk.distribute(factory, mesh), or give Keras a batched tf.data dataset")
+        training = state.fit_data is x  # the fit's training data (its first adapter)
+        if training:
+            state.fit_data = None
+        self._dataset = x
+        self._epochs = _Epochs(x, state, training=training)
+
+    def get_dataset(self):
+        return self._epochs
+
+    def get_size(self):
+        return self._dataset.num_batches
+
+    def batch_size(self):
+        return self._dataset.config.global_batch_size
+
+    def has_partial_batch(self):
+        return self._dataset.config.remainder == "pad" and bool(
+            self._dataset.num_examples % self._dataset.config.global_batch_size)
+
+    def partial_batch_size(self):
+        return self._dataset.num_examples % self._dataset.config.global_batch_size or None
+
+    def should_recreate_iterator(self):
+        return True
+
+    def on_epoch_end(self):
+        self._epochs.ended += 1
+
+
+def install() -> None:
+    """Puts the adapter first in tf_keras's list (once): only it takes a ``DistributedDataset``."""
+    if DistributedDatasetAdapter not in data_adapter.ALL_ADAPTER_CLS:
+        data_adapter.ALL_ADAPTER_CLS.insert(0, DistributedDatasetAdapter)
