@@ -23,11 +23,13 @@ class ModelSpec:
     Attributes:
       name: the short name (``--model``).
       factory: builds a new, plain tf_keras model (laid out when called under a layout scope).
-      layout: the default layout table.
+      layout: the layout table (in ``layouts/``) written for the model's weight names: what
+        ``--layout`` defaults to, and ``dtk-explain --model`` shows.
       optimizer: the default optimizer name.
       learning_rates: tuned learning rate per optimizer name; others use ``fallback_rate``.
-      input_shape: one example's input shape, without the batch dim.
-      num_classes: output classes (labels must lie in ``[0, num_classes)``).
+      input_shape: one example's input shape, without the batch dim (None: several named
+        inputs, e.g. DLRM's ``{"dense", "ids"}``).
+      num_classes: output classes (labels must lie in ``[0, num_classes)``); None for one logit.
       note: why the defaults are what they are.
       remat: the layers ``remat=("blocks",)`` (``--remat blocks``) recomputes: layer-name
         patterns of the model's repeated blocks.
