@@ -87,6 +87,9 @@ VARIANTS = {
     "mirrored_fit": "MirroredStrategy over 8 virtual CPUs, tf_keras fit",
     "dtk_fit": "tf_keras's own fit on a dtk.distribute model, mesh batch=8 (dtk's defaults: "
                "the sharded update; steps_per_execution=32): the headline dtk variant",
+    "dtk_fit_dataset": "tf_keras's own fit on a dtk.distribute model fed a dtk.DistributedDataset "
+                       "(packed in its prefetch thread; dtk.train.keras_data), batch=8, "
+                       "steps_per_execution=32",
     "dtk_default": "dtk defaults, mesh batch=8: shard_optimizer_state=auto, steps_per_execution=auto",
     "dtk_batch8": "dtk Steps, mesh batch=8 (replicated update, one step per call)",
     "dtk_batch8_spe": "dtk Steps, mesh batch=8, steps_per_execution=10",
@@ -249,9 +252,9 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         step, _ = _floor_step(tf, tf_keras, _model(tf_keras, hidden), loss_obj)
         xb, yb = tf.constant(x[0]), tf.constant(y[0])
         first, times = _timed(lambda: step(xb, yb), steps)
-    elif variant in ("keras_fit", "mirrored_fit", "dtk_fit"):
-        per_call = 32 if variant == "dtk_fit" else 1
-        if variant == "dtk_fit":  # Keras's own loop and step, dtk's seams
+    elif variant in ("keras_fit", "mirrored_fit", "dtk_fit", "dtk_fit_dataset"):
+        per_call = 32 if variant.startswith("dtk_fit") else 1
+        if variant.startswith("dtk_fit"):  # Keras's own loop and step, dtk's seams
             model = dtk.distribute(lambda: _model(tf_keras, hidden), _mesh(dtk, "batch=8"), seed=0)
             model.compile(optimizer=tf_keras.optimizers.Adam(), loss=loss_obj,
                           metrics=["accuracy"], steps_per_execution=per_call)
@@ -265,17 +268,29 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
                 model.compile(optimizer=tf_keras.optimizers.Adam(), loss=loss_obj,
                               metrics=["accuracy"])
         data = tf.data.Dataset.from_tensors((x[0], y[0])).repeat()
+        if variant == "dtk_fit_dataset":
+            def data_of(batches):
+                return dtk.DistributedDataset(
+                    tf.data.Dataset.from_tensor_slices((x[0], y[0])).repeat(),
+                    model._dtk_mesh_state.mesh,  # pylint: disable=protected-access
+                    dtk.InputConfig(global_batch_size=batch, steps_per_epoch=batches))
         stamps = []
         callback = tf_keras.callbacks.LambdaCallback(  # one call per per_call steps
             on_train_batch_end=lambda b, logs: (float(logs["loss"]),
                                                 stamps.append(time.perf_counter())))
         start = time.perf_counter()
-        model.fit(data, epochs=1, steps_per_epoch=per_call, verbose=0, callbacks=[callback])
+        if variant == "dtk_fit_dataset":
+            model.fit(data_of(per_call), epochs=1, verbose=0, callbacks=[callback])
+        else:
+            model.fit(data, epochs=1, steps_per_epoch=per_call, verbose=0, callbacks=[callback])
         first = time.perf_counter() - start
         stamps.clear()
         calls = max(4, -(-steps // per_call)) + 4
-        model.fit(data, epochs=1, steps_per_epoch=calls * per_call, verbose=0,
-                  callbacks=[callback])
+        if variant == "dtk_fit_dataset":
+            model.fit(data_of(calls * per_call), epochs=1, verbose=0, callbacks=[callback])
+        else:
+            model.fit(data, epochs=1, steps_per_epoch=calls * per_call, verbose=0,
+                      callbacks=[callback])
         times = [1000 * (b - a) / per_call for a, b in zip(stamps[3:], stamps[4:])]
         return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
                 "first_step_s": first, "timed_steps": len(times) * per_call,

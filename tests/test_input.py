@@ -164,7 +164,7 @@ def test_prefetch_stops_early_and_reraises(monkeypatch):
                                         input_lib.InputConfig(global_batch_size=8))
     assert len(list(itertools.islice(data.epoch(0), 2))) == 2   # abandoning the iterator is fine
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("packing failed")
 
     monkeypatch.setattr(data, "_pad", broken)
