@@ -877,3 +877,54 @@ def test_predict_with_several_steps_per_call_returns_every_row(spe):
     want = _mlp().predict(x, batch_size=32, verbose=0)
     assert got.shape == (200, 1)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_readme_trainer_example_and_its_keras_fit_twin_run_as_written(tmp_path):
+    """README's Trainer example and the Keras-fit lines under it (the same DistributedDatasets
+    into Keras's own fit), run as written in a fresh process (one epoch each instead of three,
+    the checkpoints in tmp_path): both train to over 90% test accuracy, with the same losses."""
+    from tests import procs  # pylint: disable=import-outside-toplevel
+    readme = (procs.REPO / "README.md").read_text()
+    python = [part.split("```", 1)[0] for part in readme.split("```python\n")[1:]]
+    blocks = [next(b for b in python if "dtk.Trainer(" in b and "mlp_export" in b),
+              next(b for b in python if "model.fit(train" in b)]
+    assert "dtk.Trainer(" in blocks[0] and "model.fit(train" in blocks[1]
+    code = "\n".join(blocks).replace("epochs=3", "epochs=1")
+    for path in ("/tmp/mlp_export", "/tmp/mlp", "/tmp/fit"):
+        code = code.replace(f'"{path}"', repr(str(tmp_path / path.rsplit("/", 1)[1])))
+    code = "import tf_keras\n" + code + (
+        "\nprint('LOSSES', [history.history['loss'], model.history.history['loss'], "
+        "model.history.history['val_accuracy']])\n")
+    res = procs.run_python(code, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    trainer_loss, keras_loss, accuracy = eval(  # pylint: disable=eval-used
+        res.stdout.split("LOSSES", 1)[1].strip())
+    np.testing.assert_allclose(keras_loss, trainer_loss, rtol=1e-6)
+    assert accuracy[-1] > 0.9, accuracy
+
+
+class _ChangeStepsPerCall(tf_keras.callbacks.Callback):
+    """Changes Keras's steps per call mid-epoch, as its steps_per_execution="auto" tuner does."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        for at, count in ((7, 3), (16, 1), (18, 5)):
+            if batch == at:
+                self.model._steps_per_execution.assign(count)  # pylint: disable=protected-access
+
+
+def test_a_distributed_dataset_follows_a_steps_per_call_that_changes_mid_epoch():
+    """Issue 71: the prefetch thread stacks the first call's count of batches per item; a later
+    call that asks for fewer (3, then 1) takes part of a stack and leaves the rest for the next,
+    one that asks for more (5) takes several: every batch trains once, in order, with the
+    updates of one step per call, bit for bit."""
+    mesh = dtk.build_mesh("batch=8")
+    data = _mnist_like(64 * 30)
+    changed = _mnist_distributed(mesh, spe=8)
+    changed.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0,
+                callbacks=[_ChangeStepsPerCall()])
+    one = _mnist_distributed(mesh)
+    one.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0)
+    assert int(changed.optimizer.iterations.numpy()) == 60
+    for w, v in zip(one.weights, changed.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)

@@ -528,16 +528,20 @@ class DistributedDataset:
             stream.position += 1
             yield self._pad(element, pad=pad)
 
-    def keras_batches(self, epoch: int = 0, *, skip_batches: int = 0) -> Iterator[tuple]:
-        """One epoch as the batches Keras's own steps take: ``(features, labels)``, or
-        ``(features, labels, sample_weights)`` for data that carries them, packed on the mesh
-        in a background thread (``prefetch`` ahead), one batch per item.
+    def keras_batches(self, epoch: int = 0, *, skip_batches: int = 0,
+                      steps_per_call: int = 1) -> Iterator[tuple[int, Any]]:
+        """One epoch as the batches Keras's own steps take, packed on the mesh in a background
+        thread (``prefetch`` items ahead): items ``(n, data)``, ``data`` being ``(features,
+        labels)``, or ``(features, labels, sample_weights)`` for data that carries them.
 
         What ``fit``/``evaluate``/``predict`` of a ``dtk.distribute`` model read
-        (``dtk.train.keras_data``). A full batch is sharded over the batch axis (and the sequence
-        axis), as ``epoch`` packs it; the last partial batch of ``remainder="pad"`` data is not
-        padded but packed whole on every device (replicated), so that Keras's step divides its
-        loss by its real examples and every example counts once, with Keras's numbers.
+        (``dtk.train.keras_data``). Full batches are sharded over the batch axis (and the
+        sequence axis) as ``epoch`` packs them, ``steps_per_call`` of them stacked ``[n, B, ...]``
+        in one item (one pack, as the Trainer's): ``n`` is the item's count of batches, 1 for
+        an unstacked batch. The last partial batch of ``remainder="pad"`` data is not padded
+        but packed whole on every device (replicated), alone (``n`` = 1), so that Keras's step
+        divides its loss by its real examples and every example counts once, with Keras's
+        numbers.
 
         Raises:
           ValueError: scale mode (``from_function``) with ``remainder="pad"``: each client holds
@@ -551,19 +555,36 @@ class DistributedDataset:
                 "and Keras's step needs it whole; use remainder='drop', or steps_per_epoch")
         if not 0 <= skip_batches <= self.num_batches:
             raise ValueError(f"skip_batches ({skip_batches}) must be in [0, {self.num_batches}]")
-        full = self._rows_per_batch
+        full, axis = self._rows_per_batch, self.config.batch_axis
+
+        def stacked(parts):
+            if len(parts) == 1:
+                return 1, pack(self.mesh, parts[0], batch_axis=axis, local=self._local,
+                               sequence_axis=self.config.sequence_axis)
+            return len(parts), pack(self.mesh, tf.nest.map_structure(lambda *a: np.stack(a),
+                                                                     *parts),
+                                    batch_axis=axis, stacked=True, local=self._local,
+                                    sequence_axis=self.config.sequence_axis)
 
         def items():
+            parts = []
             for element in self._batches(epoch, skip_batches, pad=False):
                 data = element[:3] if self._has_weights else element[:2]
                 if len(tf.nest.flatten(data[1])[0]) == full:
-                    yield pack(self.mesh, data, batch_axis=self.config.batch_axis,
-                               local=self._local, sequence_axis=self.config.sequence_axis)
-                else:  # the last partial batch, whole on every device
-                    devices = len(self.mesh.local_device_locations())
-                    yield tf.nest.map_structure(
-                        lambda a: dtensor.pack([np.asarray(a)] * devices, dtensor.Layout.replicated(
-                            self.mesh, np.ndim(a))), data)
+                    parts.append(data)
+                    if len(parts) == steps_per_call:
+                        yield stacked(parts)
+                        parts = []
+                    continue
+                if parts:
+                    yield stacked(parts)
+                    parts = []
+                devices = len(self.mesh.local_device_locations())  # the last partial batch
+                yield 1, tf.nest.map_structure(lambda a: dtensor.pack(
+                    [np.asarray(a)] * devices, dtensor.Layout.replicated(self.mesh, np.ndim(a))),
+                                               data)
+            if parts:
+                yield stacked(parts)
 
         if self.config.prefetch == 0:
             return items()

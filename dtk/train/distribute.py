@@ -48,7 +48,6 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.data.input import pack
 from dtk.keras_check import Keras3Model, require_keras2
 from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
@@ -610,6 +609,12 @@ def _maker(step_name: str, attr: str) -> Callable:
                 state.skip_batches = 0
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
             per_call = 1 if spe is None else int(spe.numpy())
+            if isinstance(iterator, keras_data.EpochIterator):  # a DistributedDataset's
+                pieces = iterator.take(per_call, stack=step_name != "predict_step")
+                if step_name != "predict_step" or len(pieces) == 1:
+                    return calls.run_pieces(pieces)
+                outputs = [calls.run_pieces([piece]) for piece in pieces]
+                return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
             if step_name == "predict_step" and per_call > 1:
                 # Keras counts a call as per_call batches and keeps what it returns: every
                 # batch's outputs, in order (one at a time: a loop would keep only the last's).

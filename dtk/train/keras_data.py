@@ -14,9 +14,9 @@ keeps what it adds over a batched ``tf.data`` dataset:
   ``CheckpointCallback`` resume starts at the checkpoint's epoch and batch without packing the
   batches before it.
 
-Several steps per call (``compile(steps_per_execution=n)``): the compiled call takes the ``n``
-packed batches Keras asks for and stacks them on the mesh inside the call
-(``MeshCalls.run_packed``).
+Several steps per call (``compile(steps_per_execution=n)``): the prefetch thread stacks ``n``
+batches into one packed item (one pack of ``[n, B, ...]``, as the Trainer's input), and the
+compiled call runs them as one loop (``MeshCalls.run_pieces``).
 
 Example::
 
@@ -34,6 +34,7 @@ from typing import Any
 from tf_keras.src.engine import data_adapter
 
 from dtk.data.input import DistributedDataset
+from dtk.train.mesh_calls import batch_of
 
 
 class _Epochs:
@@ -54,29 +55,62 @@ class _Epochs:
 
 
 class EpochIterator:
-    """One epoch of packed batches, started at its first ``next()``.
+    """One epoch of packed batches, started at its first ``take``.
 
     Training: the epoch is ``state.start_epoch + ended``; the batches a resume skips
     (``state.skip_batches``, set by ``CheckpointCallback``) are skipped in the stream, unpacked.
-    Evaluation and prediction always read epoch 0 (their order does not change).
+    Evaluation and prediction always read epoch 0 (their order does not change). The first
+    ``take(count)`` fixes how many batches the prefetch thread stacks per item: ``count``,
+    Keras's steps per call, so that each call's batches arrive as one packed stack.
     """
 
     def __init__(self, epochs: _Epochs):
         self._epochs = epochs
         self._batches = None
+        self._pending: list = []  # the rest of a stack a shorter call did not take
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        """One batch (Keras's generic protocol; dtk's compiled call uses ``take``)."""
+        (n, data), = self.take(1, stack=False)
+        return data if n == 1 else batch_of(data, 0)
+
+    def take(self, count: int, *, stack: bool = True) -> list[tuple[int, Any]]:
+        """Items ``(n, data)`` holding ``count`` batches in all (fewer at the epoch's end): a
+        stack of ``n`` batches ``[n, B, ...]``, or one batch (``n`` = 1).
+
+        Raises:
+          StopIteration: the epoch has no batch left.
+        """
         if self._batches is None:
             epochs, state = self._epochs, self._epochs.state
             epoch, skip = 0, 0
             if epochs.training:
                 epoch = state.start_epoch + epochs.ended
                 skip, state.skip_batches = state.skip_batches, 0
-            self._batches = epochs.dataset.keras_batches(epoch, skip_batches=skip)
-        return next(self._batches)
+            self._batches = epochs.dataset.keras_batches(
+                epoch, skip_batches=skip, steps_per_call=count if stack else 1)
+        pieces, have = [], 0
+        while have < count:
+            if self._pending:
+                n, data = self._pending.pop(0)
+            else:
+                try:
+                    n, data = next(self._batches)
+                except StopIteration:
+                    if not pieces:
+                        raise
+                    break
+            if have + n > count:  # a shorter call than the stacks (Keras's tuner changed it)
+                k = count - have
+                self._pending.insert(0, (n - k, batch_of(data, k) if n - k == 1
+                                         else batch_of(data, k, n)))
+                n, data = k, (batch_of(data, 0) if k == 1 else batch_of(data, 0, k))
+            pieces.append((n, data))
+            have += n
+        return pieces
 
     def close(self) -> None:
         """Stops the prefetch thread of an epoch left before its end (``stop_training``)."""

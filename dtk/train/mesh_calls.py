@@ -241,12 +241,6 @@ class MeshCalls:
             return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
 
         self.traced_many = tf.function(many_body, reduce_retracing=False)
-
-        def stacked_body(batches):  # packed batches, stacked here: [n, B, ...] on the mesh
-            return many_body(tf.nest.map_structure(
-                lambda *t: None if t[0] is None else tf.stack(t), *batches))
-
-        self.traced_stacked = tf.function(stacked_body, reduce_retracing=False)
         self._fresh = True
 
     def _remember_layouts(self, outputs) -> None:
@@ -262,8 +256,6 @@ class MeshCalls:
             self._logs_layouts.append(None)
 
     def __call__(self, datas: list) -> Any:
-        if datas and _is_packed(datas[0]):
-            return self.run_packed(datas)
         state, outputs = self.state, None
         if state.host is not None:  # leading string preprocessing, on the host
             datas = [host_inputs.apply(state.host, d) for d in datas]
@@ -276,24 +268,25 @@ class MeshCalls:
             outputs = self._one(state.pack(data, local=self.local))
         return outputs
 
-    def run_packed(self, batches: list) -> Any:
-        """Batches already on the mesh (a ``DistributedDataset``'s, packed in its prefetch
-        thread: ``dtk.train.keras_data``): several of one shape are stacked on the mesh and run
-        as one compiled loop; the rest (the first call, a last partial batch) one by one."""
-        def shapes(batch):
-            return tuple(None if t is None else (tuple(t.shape), t.dtype)
-                         for t in tf.nest.flatten(batch))
-
+    def run_pieces(self, pieces: list) -> Any:
+        """Batches packed on the mesh already (a ``DistributedDataset``'s, packed in its
+        prefetch thread: ``dtk.train.keras_data``): items ``(n, data)``, a stack of ``n``
+        batches run as one compiled loop, or one batch. The first call runs its first batch
+        alone (the one-step trace gives the loop its logs' layouts); a step whose logs are not
+        all DTensors runs one call per batch."""
         outputs = None
-        if len(batches) > 1 and not self._fresh and self._logs_layouts[0] is not None:
-            first, count = shapes(batches[0]), 1
-            while count < len(batches) and shapes(batches[count]) == first:
-                count += 1
-            if count > 1:
-                outputs = self.traced_stacked(batches[:count])
-                batches = batches[count:]
-        for batch in batches:
-            outputs = self._one(batch)
+        for n, data in pieces:
+            if n == 1:
+                outputs = self._one(data)
+                continue
+            start = 0
+            if self._fresh or self._logs_layouts[0] is None:
+                outputs, start = self._one(batch_of(data, 0)), 1
+            if self._logs_layouts[0] is None:
+                for i in range(start, n):
+                    outputs = self._one(batch_of(data, i))
+            elif start < n:
+                outputs = self.traced_many(data if start == 0 else batch_of(data, start, n))
         return outputs
 
     def _one(self, batch: Any) -> Any:
@@ -317,7 +310,7 @@ class MeshCalls:
         return outputs
 
 
-def _is_packed(data: Any) -> bool:
-    """Whether a batch is on the mesh already (DTensors), not host values to pack."""
-    leaves = [t for t in tf.nest.flatten(data) if t is not None]
-    return bool(leaves) and isinstance(leaves[0], tf.Tensor) and dtensor.is_dtensor(leaves[0])
+def batch_of(stack: Any, start: int, stop: int | None = None) -> Any:
+    """Batch ``start`` of a packed stack ``[n, B, ...]``, or its batches ``start:stop`` stacked."""
+    index = tf.constant(start) if stop is None else tf.range(start, stop)
+    return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, index), stack)
