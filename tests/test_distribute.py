@@ -908,7 +908,7 @@ class _ChangeStepsPerCall(tf_keras.callbacks.Callback):
     """Changes Keras's steps per call mid-epoch, as its steps_per_execution="auto" tuner does."""
 
     def on_train_batch_end(self, batch, logs=None):
-        for at, count in ((7, 3), (16, 1), (18, 5)):
+        for at, count in ((31, 3), (40, 1), (42, 5)):
             if batch == at:
                 self.model._steps_per_execution.assign(count)  # pylint: disable=protected-access
 
@@ -919,12 +919,12 @@ def test_a_distributed_dataset_follows_a_steps_per_call_that_changes_mid_epoch()
     one that asks for more (5) takes several: every batch trains once, in order, with the
     updates of one step per call, bit for bit."""
     mesh = dtk.build_mesh("batch=8")
-    data = _mnist_like(64 * 30)
-    changed = _mnist_distributed(mesh, spe=8)
+    data = _mnist_like(64 * 80)
+    changed = _mnist_distributed(mesh, spe=32)  # (the first call's stack split: 1 + 31)
     changed.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0,
                 callbacks=[_ChangeStepsPerCall()])
     one = _mnist_distributed(mesh)
     one.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0)
-    assert int(changed.optimizer.iterations.numpy()) == 60
+    assert int(changed.optimizer.iterations.numpy()) == 160
     for w, v in zip(one.weights, changed.weights):
         np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)

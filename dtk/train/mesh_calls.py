@@ -312,5 +312,14 @@ class MeshCalls:
 
 def batch_of(stack: Any, start: int, stop: int | None = None) -> Any:
     """Batch ``start`` of a packed stack ``[n, B, ...]``, or its batches ``start:stop`` stacked."""
-    index = tf.constant(start) if stop is None else tf.range(start, stop)
-    return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, index), stack)
+    def take(t):
+        if t is None:
+            return None
+        if stop is None:
+            return tf.gather(t, tf.constant(start))
+        # (a longer index is no constant DTensor broadcasts by itself: placed on the mesh)
+        index = dtensor.copy_to_mesh(tf.range(start, stop),
+                                     dtensor.Layout.replicated(dtensor.fetch_layout(t).mesh, 1))
+        return tf.gather(t, index)
+
+    return tf.nest.map_structure(take, stack)
