@@ -928,3 +928,32 @@ def test_a_distributed_dataset_follows_a_steps_per_call_that_changes_mid_epoch()
     assert int(changed.optimizer.iterations.numpy()) == 160
     for w, v in zip(one.weights, changed.weights):
         np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)
+
+
+def test_checkpoint_callback_refuses_a_resume_with_other_settings_unless_allowed(tmp_path):
+    """Issue 71 (the Trainer's resume contract, for Keras's fit): a CheckpointCallback run killed
+    after epoch 2, resumed with another learning rate or another dropout rate, is refused in one
+    line naming each change, before any step; allowed on purpose, the new learning rate is set
+    on the restored optimizer and reported; another mesh resumes freely."""
+    x, y = _binary_data(192)
+
+    def compiled(spec, rate=1e-2, dropout=0.3):
+        model = dtk.distribute(functools.partial(_mlp, dropout=dropout), dtk.build_mesh(spec),
+                               layout=_layout(spec), seed=0, allow_replicated=True)
+        model.compile(optimizer=tf_keras.optimizers.Adam(rate), loss="binary_crossentropy")
+        return model
+
+    with pytest.raises(RuntimeError, match="killed"):
+        _fit_no_shuffle(x, y, compiled("batch=8"), [dtk.CheckpointCallback(tmp_path), _Killed()])
+    for model, phrase in ((compiled("batch=8", rate=2e-2), r"learning_rate 0.01 -> 0.02"),
+                          (compiled("batch=8", dropout=0.5), r"model.\d:Dropout.rate 0.3 -> 0.5")):
+        with pytest.raises(ValueError, match=r"checkpoint .* was written with other settings: "
+                           + phrase + r"\. .*\(CheckpointCallback\(allow_change=\('"):
+            _fit_no_shuffle(x, y, model, [dtk.CheckpointCallback(tmp_path)])
+        assert int(model.optimizer.iterations.numpy()) == 12  # the checkpoint's: none trained
+    callback = dtk.CheckpointCallback(tmp_path, allow_change=("learning_rate",))
+    model = compiled("batch=4,model=2", rate=2e-2)
+    losses = _fit_no_shuffle(x, y, model, [callback])
+    assert callback.restored_epoch == 2 and len(losses) == 2
+    assert callback.resume_changes == {"learning_rate": {"old": 0.01, "new": 0.02}}
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.02)

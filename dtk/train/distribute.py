@@ -225,6 +225,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
     checkpoint.read_sharded_variables_whole()  # get_weights, save_weights(.h5), v.numpy()
     state = MeshState(mesh, batch_axis)
     state.generator = randomness.step_generator(model, seed=seed)
+    state.seed = seed
     object.__setattr__(model, "_dtk_mesh_state", state)
     cls_compile = type(model).compile
 
@@ -294,6 +295,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             if _name == "fit":  # a DistributedDataset's training adapter claims it
                 x = kwargs.get("x", args[0] if args else None)
                 state.fit_data = x if isinstance(x, DistributedDataset) else None
+                state.fit_call = {"x": x, "batch_size": size}  # CheckpointCallback's settings
                 state.start_epoch = int(kwargs.get("initial_epoch",
                                                    args[9] if len(args) > 9 else 0) or 0)
             keyed = _name == "fit" and _shuffles_arrays(args, kwargs) and any(
@@ -950,6 +952,16 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         checkpoint is recorded as the latest as soon as its files are written.
       restart_from_scratch: remove the directory's checkpoints and train from the start (the
         way on from a directory whose checkpoints are all unreadable).
+      allow_change: settings a resume may change on purpose, e.g. ``("learning_rate",)``
+        (``"model"`` allows every model hyper-parameter). Every checkpoint records the run's
+        settings (``dtk.train.resume``, as the Trainer's do: the seed, the optimizer and its
+        learning rate, the data's size and batch, the steps per epoch, the model's
+        hyper-parameters); a resume with any other difference is a ``ValueError`` listing
+        each, before any step. An allowed change is applied (a new learning rate is set on the
+        restored optimizer) and reported in ``resume_changes``. The mesh and the number of
+        clients may change freely.
+      settings: more settings that shape the run, recorded and compared with dtk's own (e.g.
+        ``{"dataset": "idx"}``).
 
     Example::
 
@@ -958,8 +970,16 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, asynchronous: bool = False,
-                 restart_from_scratch: bool = False):
+                 restart_from_scratch: bool = False, allow_change: Sequence[str] = (),
+                 settings: dict[str, Any] | None = None):
         super().__init__()
+        if isinstance(allow_change, str) or not all(
+                isinstance(k, str) and k for k in allow_change):
+            raise ValueError(f"CheckpointCallback(allow_change=...) must be a tuple of setting "
+                             f"names, e.g. ('learning_rate',); got {allow_change!r}")
+        self.allow_change, self.settings = tuple(allow_change), dict(settings or {})
+        self.resume_changes: dict[str, dict[str, Any]] = {}  # the last resume's allowed changes
+        self._settings: dict[str, Any] = {}
         if not isinstance(directory, (str, bytes)) and not hasattr(directory, "__fspath__"):
             raise TypeError(f"CheckpointCallback(directory=...) must be a path; got "
                             f"{type(directory).__name__}")
@@ -995,6 +1015,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
             self.directory, model=self.model, optimizer=optimizer, mesh=state.mesh,
             max_to_keep=self.max_to_keep, asynchronous=self.asynchronous)
         self._preempted = None
+        self._settings = self._run_settings(state)  # (before a restore sets the saved rate)
         if self.restart_from_scratch:
             if self._checkpointer.candidates():
                 _log.warning("restart_from_scratch: removing the checkpoints in %s",
@@ -1010,6 +1031,13 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                     f"{str(e).split('; ')[0]}; nothing was restored. To train from the start "
                     "on purpose, pass CheckpointCallback(..., restart_from_scratch=True) (it "
                     "removes them), or give another directory") from None
+            except BaseException:
+                self._close()
+                raise
+        self.resume_changes = {}
+        if restored is not None:
+            try:
+                self._check_settings(restored)
             except BaseException:
                 self._close()
                 raise
@@ -1035,6 +1063,45 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         self._stop = preemption.StopSignals().install()
         state.at_fit_end.append(self._close)
 
+    def _run_settings(self, state: MeshState) -> dict[str, Any]:
+        """What shapes this run, recorded in every checkpoint and compared on resume, as the
+        Trainer's (``dtk.train.resume``): the seed, the optimizer and its learning rate, the
+        data's size and batch, the model's hyper-parameters, the caller's ``settings``."""
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+        from dtk.train import resume  # pylint: disable=g-import-not-at-top
+        call = getattr(state, "fit_call", None) or {}
+        data = call.get("x")
+        extra = {"steps_per_epoch": (self.params or {}).get("steps")}
+        if not isinstance(data, DistributedDataset):  # arrays: Keras's batch_size and length
+            extra.update(batch_size=call.get("batch_size"), train_examples=_length(data))
+        return resume.settings(
+            seed=getattr(state, "seed", None), optimizer=self.model.optimizer, model=self.model,
+            data=data if isinstance(data, DistributedDataset) else None,
+            mesh=",".join(f"{n}={state.mesh.dim_size(n)}" for n in state.mesh.dim_names),
+            num_clients=cluster.num_clients(), extra={**extra, **self.settings})
+
+    def _check_settings(self, restored: dict[str, Any]) -> None:
+        """A resume whose settings differ from the checkpoint's is refused, unless allowed
+        (``allow_change``): then applied (a new learning rate set on the restored optimizer)
+        and reported in ``resume_changes``."""
+        from dtk.cluster import env as cluster  # pylint: disable=g-import-not-at-top
+        from dtk.train import resume  # pylint: disable=g-import-not-at-top
+        saved = restored.get("settings")
+        if saved is not None and "train_examples" not in saved:
+            saved = None  # (an older CheckpointCallback's: recorded no settings)
+        try:
+            self.resume_changes = resume.check(
+                saved, self._settings, allow_change=self.allow_change,
+                restored=self._checkpointer.restored, lead=cluster.is_lead_client())
+        except ValueError as e:  # the fix in this API's words (the Trainer's names its flag)
+            raise ValueError(re.sub(
+                r"\(--allow_change ([^;]*); TrainerConfig\(allow_change=\.\.\.\)\)",
+                lambda m: f"(CheckpointCallback(allow_change={tuple(m.group(1).split(','))!r}))",
+                str(e))) from None
+        new = self.resume_changes.get("learning_rate", {}).get("new")
+        if isinstance(new, float):  # the restored optimizer holds the checkpoint's rate
+            self.model.optimizer.learning_rate.assign(new)
+
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
@@ -1046,7 +1113,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         self._preempted = [None, steps is None or done < steps]  # [checkpoint, inside the epoch]
         if self._preempted[1]:  # the position in the epoch; at its end, on_epoch_end saves
             self._preempted[0] = self._checkpointer.save(
-                {"epoch": self._epoch, "step": done},
+                {"epoch": self._epoch, "step": done, "settings": self._settings},
                 step=int(self.model.optimizer.iterations.numpy()))
             self._checkpointer.wait()
         self.model.stop_training = True
@@ -1054,7 +1121,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._preempted is not None and self._preempted[1]:
             return  # saved at the step where the signal was seen
-        path = self._checkpointer.save({"epoch": epoch + 1},
+        path = self._checkpointer.save({"epoch": epoch + 1, "settings": self._settings},
                                        step=int(self.model.optimizer.iterations.numpy()))
         if self._preempted is not None:
             self._checkpointer.wait()
