@@ -9,7 +9,8 @@ after every step; MC_MEMORY=1 trains with FSDP, remat and gradient accumulation;
 calls 10x faster on client 0 and 100x slower on client 1, so the clients would choose differently
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3); MC_MODEL=lm
 trains the transformer LM with dropout instead of the MLP; MC_PLAIN_EXIT=1 ends without
-dtk.cluster.env.exit_process, as a user's script does.
+dtk.cluster.env.exit_process, as a user's script does; MC_KERAS=1 trains with Keras's own fit on
+a dtk.distribute model fed the same DistributedDataset (dtk.train.keras_data), 4 steps per call.
 """
 
 import functools
@@ -99,6 +100,20 @@ if os.environ.get("MC_MODEL") == "lm":
 else:
     MODEL = functools.partial(dtk.models.mnist_mlp, dropout=0.2)
     LAYOUT = "data_parallel"
+if os.environ.get("MC_KERAS"):  # Keras's own fit on a dtk.distribute model, fed `train`
+    import tf_keras  # noqa: E402
+    keras_model = dtk.distribute(MODEL, mesh, layout=LAYOUT,
+                                 seed=int(os.environ.get("MC_SEED", "0")))
+    keras_model.compile(
+        optimizer=tf_keras.optimizers.Adam(1e-3), metrics=["accuracy"], steps_per_execution=4,
+        loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fitted = keras_model.fit(train, epochs=int(os.environ.get("MC_EPOCHS", "3")), verbose=0)
+    if client == 0 and os.environ.get("MC_OUT"):
+        with open(os.environ["MC_OUT"], "w") as f:
+            json.dump(fitted.history, f)
+    print("DONE", fitted.history["loss"], flush=True)
+    from dtk.cluster import env as cluster  # noqa: E402
+    cluster.exit_process(0)
 trainer = dtk.Trainer(mesh=mesh, model=MODEL, layout=LAYOUT,
                       optimizer=dtk.make_optimizer("adam", mesh, learning_rate=1e-3),
                       config=dtk.TrainerConfig(seed=int(os.environ.get("MC_SEED", "0")),

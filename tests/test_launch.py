@@ -98,6 +98,22 @@ def test_two_clients_match_one_process(tmp_path, single_process):
     np.testing.assert_allclose(got["accuracy"][:3], single_process["accuracy"], rtol=1e-6)
 
 
+def test_keras_fit_fed_a_distributed_dataset_on_two_clients_matches_the_trainer(
+        tmp_path, single_process):
+    """Issue 71: Keras's own fit on a dtk.distribute model, fed the DistributedDataset
+    (dtk.train.keras_data: each client packs its own rows of each batch, 4 batches stacked per
+    call), on 2 clients x 4 devices, with dropout: the one-process Trainer's losses and
+    accuracies, epoch by epoch."""
+    out = tmp_path / "losses.json"
+    res, _ = _launch("--num_clients", "2", "--devices_per_client", "4", "--", sys.executable,
+                     CLIENT, env=procs.base_env(MC_OUT=str(out), MC_KERAS="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "[client 0] DONE" in res.stdout and "[client 1] DONE" in res.stdout
+    got = json.loads(out.read_text())
+    np.testing.assert_allclose(got["loss"], single_process["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], single_process["accuracy"], rtol=1e-6)
+
+
 def test_scale_mode_reads_each_example_once(tmp_path, single_process):
     """Scale mode: each of 2 clients reads half the examples and batches 32 of the 64; it trains,
     and (as documented) differs from the parity run's order."""
