@@ -706,3 +706,39 @@ def test_dict_features_accumulate_microbatches_like_one_batch():
                                                        gradient_accumulation_steps=k))
         losses[k] = trainer.fit(data, epochs=2).history["loss"]
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec, table, opt_name", [
+    ("batch=4,model=2", "recsys", "adagrad"),
+    ("batch=8", "recsys_batch_rows", "adam"),
+])
+def test_keras_fit_updates_only_the_touched_rows_as_dtks_steps_do(spec, table, opt_name):
+    """Issue 71: sparse row updates as an option of dtk.distribute, under Keras's own
+    train_step (its optimizer.minimize takes the gradients of the other weights and of each
+    lookup's output; the touched rows are added in place after the step): 20 batches of
+    train_on_batch equal one device (Adagrad: the dense update's numbers; Adam: lazy Adam),
+    1e-5, the model's optimizer holds no state for the tables; and fit with 4 steps per call
+    ends on the same weights."""
+    mesh = dtk.build_mesh(spec)
+    loss = tf_keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def compiled(spe=1):
+        model = dtk.distribute(FACTORY, mesh, layout=table, seed=7, sparse_tables=True,
+                               shard_optimizer_state=False)
+        model.compile(optimizer=_optimizer(opt_name), loss=loss, steps_per_execution=spe)
+        return model
+
+    model = compiled()
+    state = model._dtk_mesh_state  # pylint: disable=protected-access
+    assert [t.layer.name for t in state.sparse.tables] == ["table0", "table1"]
+    losses = [float(model.train_on_batch(f, y)) for f, y in _batches()]
+    reference = _lazy_adam_reference() if opt_name == "adam" else _reference(opt_name)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    assert not any(v.shape in ((64, 8), (32, 8)) for v in model.optimizer.variables)
+    fitted = compiled(spe=4)
+    features = {k: np.concatenate([f[k] for f, _ in _batches()]) for k in ("dense", "ids")}
+    fitted.fit(features, np.concatenate([y for _, y in _batches()]), batch_size=B, epochs=1,
+               shuffle=False, verbose=0)
+    for w, v in zip(model.weights, fitted.weights):
+        np.testing.assert_allclose(dtk.global_value(v), dtk.global_value(w), rtol=1e-6,
+                                   atol=1e-7, err_msg=v.name)

@@ -67,7 +67,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                strict: bool = False, allow_replicated: bool = False, fsdp: bool = False,
                remat: Sequence[str] = (), gradient_accumulation_steps: int = 1,
                shard_optimizer_state: bool | str = "auto",
-               batch_axis: str = BATCH_AXIS) -> tf_keras.Model:
+               batch_axis: str = BATCH_AXIS, sparse_tables: bool = False) -> tf_keras.Model:
     """``model_factory()`` laid out on ``mesh``, trained by tf_keras's own ``fit``.
 
     Args:
@@ -98,6 +98,12 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         something (``dtk.train.steps.auto_shard_optimizer_state``), off under ``fsdp`` (the
         weights are stored sharded already).
       batch_axis: the mesh axis the batch is split over.
+      sparse_tables: update only the rows a step touched of the Embedding tables the layout
+        shards on their rows or columns (``dtk.train.sparse``; as ``TrainerConfig(
+        sparse_tables=True)``): SGD and Adagrad with the dense update's numbers, Adam as lazy
+        Adam; other optimizers are refused at ``compile()``. The compiled optimizer updates the
+        other weights; each step's touched rows are added in place after it (one compiled call
+        per step).
 
     Returns:
       The laid-out model. ``compile()``, ``fit()``, ``evaluate()``, ``predict()``,
@@ -173,6 +179,9 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
             model.trainable_variables, mesh, batch_axis)
     if shard_optimizer_state:
         model._dtk_mesh_state.sharded = _ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
+    if not isinstance(sparse_tables, bool):
+        raise ValueError(f"sparse_tables must be True or False; got {sparse_tables!r}")
+    model._dtk_mesh_state.sparse_mode = sparse_tables  # pylint: disable=protected-access
     if gradient_accumulation_steps > 1:
         if type(model).train_step is not tf_keras.Model.train_step:
             raise ValueError(
@@ -269,6 +278,13 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             tuner = getattr(self, "_steps_per_execution_tuner", None)  # steps_per_execution="auto"
             if tuner is not None:
                 tuner._steps_per_execution = self._steps_per_execution  # pylint: disable=protected-access
+        if state.sparse_mode:  # the tables' own update, beside the compiled optimizer's
+            from dtk.train import sparse  # pylint: disable=g-import-not-at-top
+            state.sparse, _ = sparse.choose(
+                self, self.optimizer, True, batch_axis=state.batch_axis,
+                accumulation=state.accumulation, custom_step=_overrides(self, "train_step"))
+            if state.sparse is not None:
+                _sparse_gradients(self.optimizer, state)
         self.train_function = self.test_function = self.predict_function = None
 
     model.compile = types.MethodType(compile, model)
@@ -570,6 +586,11 @@ def _maker(step_name: str, attr: str) -> Callable:
 
         def body(data):
             iterations = _step_counter(self)
+            if training and state.sparse is not None:  # the touched rows, scattered after
+                state.sparse.start_recording()
+                with randomness.step_scope(iterations.read_value()), \
+                        randomness.step_draws(state.generator):
+                    return step(data), state.sparse_changes
             if training and iterations is not None:
                 with randomness.step_scope(iterations.read_value()), \
                         randomness.step_draws(state.generator):
@@ -611,6 +632,17 @@ def _maker(step_name: str, attr: str) -> Callable:
                 state.skip_batches = 0
             spe = getattr(self, "_steps_per_execution", None)  # a host variable (compile)
             per_call = 1 if spe is None else int(spe.numpy())
+            if training and state.sparse is not None:
+                # Each step's touched rows are added in place between compiled calls
+                # (dtk.train.sparse: DTensor lays out no in-place scatter): one call a step.
+                pieces = (iterator.take(per_call, stack=False)
+                          if isinstance(iterator, keras_data.EpochIterator) else
+                          [(1, data) for data in next_batches(iterator, per_call)])
+                for _, data in pieces:
+                    logs, changes = (calls.run_pieces([(1, data)]) if isinstance(
+                        iterator, keras_data.EpochIterator) else calls([data]))
+                    state.sparse.scatter(changes)
+                return logs
             if isinstance(iterator, keras_data.EpochIterator):  # a DistributedDataset's
                 pieces = iterator.take(per_call, stack=step_name != "predict_step")
                 if step_name != "predict_step" or len(pieces) == 1:
@@ -880,6 +912,42 @@ def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
 
 
 _storage = custom_loops.storage  # the DVariable under a mixed precision AutoCastVariable
+
+
+def _sparse_gradients(optimizer: tf_keras.optimizers.Optimizer, state: MeshState) -> None:
+    """``distribute(sparse_tables=True)``: Keras's ``train_step`` calls ``optimizer.minimize``;
+    its gradients are taken here of the other weights and of each table lookup's output (the
+    table's rows, never the table at full size), the compiled optimizer updates the other
+    weights, and ``state.sparse`` computes the touched rows' changes (``dtk.train.sparse``),
+    which the train function adds in place after the step."""
+    compute, apply, build = (optimizer.compute_gradients, optimizer.apply_gradients,
+                             optimizer.build)
+    tables = state.sparse
+
+    def dense(var_list):
+        return [v for v in var_list if not tables.is_table(v)]
+
+    def compute_gradients(loss, var_list, tape=None):
+        if tape is None:
+            return compute(loss, var_list, tape)
+        var_list = dense(var_list() if callable(var_list) else var_list)
+        recorded = tables.lookups()
+        grads = tape.gradient(loss, [*var_list, *tables.outputs(recorded)])
+        state.sparse_pending = (recorded, grads[len(var_list):])
+        return list(zip(grads[:len(var_list)], var_list))
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        if state.sparse_pending is not None:  # first: lazy Adam reads the step before its increment
+            state.sparse_changes = tables.apply(*state.sparse_pending)
+            state.sparse_pending = None
+        return apply(grads_and_vars, *args, **kwargs)
+
+    def build_(var_list, *args, **kwargs):  # no dense slots for the tables
+        return build(dense(list(var_list)), *args, **kwargs)
+
+    optimizer.compute_gradients = compute_gradients
+    optimizer.apply_gradients = apply_gradients
+    optimizer.build = build_
 
 
 class _ShardedUpdate:

@@ -51,6 +51,12 @@ class MeshState:
         # Epochs the next shuffle of arrays draws past (a host variable; dtk.distribute's fit
         # with CheckpointCallback and shuffle=True), set by the callback when it resumes.
         self.shuffle_epoch: tf.Variable | None = None
+        # distribute(sparse_tables=True): the tables' sparse update (dtk.train.sparse), and a
+        # step's gradients of its lookups and the touched rows' changes, inside the trace.
+        self.sparse_mode = False
+        self.sparse: Any = None
+        self.sparse_pending: Any = None
+        self.sparse_changes: Any = None
 
     def end_fit(self) -> None:
         self.skip_batches = 0
