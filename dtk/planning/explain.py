@@ -1,13 +1,27 @@
-"""The plan explained: ``--explain_plan``'s table of every candidate and ``--plot``'s chart."""
+"""The plan and its explanation: ``Plan`` (what ``dtk.plan`` returns), ``--explain_plan``'s table
+of every candidate and ``--plot``'s chart."""
 
 from __future__ import annotations
 
-from dtk.planning.candidates import TIE, TIE_RULE
-from dtk.planning.cost import MIB, mib
-from typing import TYPE_CHECKING
+import dataclasses
 
-if TYPE_CHECKING:
-    from dtk.planning.planner import Plan
+from dtk.planning.candidates import TIE, TIE_RULE, Candidate
+from dtk.planning.cost import MIB, MachineCalibration, StepCalibration, mib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The chosen candidate, every candidate considered, and the figures behind the choice."""
+
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    machine: MachineCalibration
+    step: StepCalibration
+    global_batch_size: int
+    table: str
+
+    def explain(self) -> str:
+        return explain_plan(self)
 
 
 def plot_plan(p: Plan, path: str) -> None:

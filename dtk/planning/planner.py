@@ -50,7 +50,6 @@ table and the chart). ``plan`` here runs them in that order.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -63,7 +62,7 @@ from dtk.planning.candidates import (TIE, TIE_RULE, Candidate, PlanError, choose
                                      stage_splits)
 from dtk.planning.cost import (MIB, Axes, MachineCalibration, StepCalibration, candidate_memory,
                                mib, predict_ms)
-from dtk.planning.explain import explain_plan, plot_plan
+from dtk.planning.explain import Plan, explain_plan, plot_plan
 from dtk.planning.profile import LayerProfile, ModelProfile, profile_model
 
 # The names callers know the planner by, wherever they now live.
@@ -75,21 +74,6 @@ __all__ = ["Axes", "Candidate", "LayerProfile", "MIB", "MachineCalibration", "Mo
            "stage_splits"]
 
 _log = logging.getLogger("dtk")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """The chosen candidate, every candidate considered, and the figures behind the choice."""
-
-    chosen: Candidate
-    candidates: tuple[Candidate, ...]
-    machine: MachineCalibration
-    step: StepCalibration
-    global_batch_size: int
-    table: str
-
-    def explain(self) -> str:
-        return explain_plan(self)
 
 
 def plan(model_factory: Callable[[], Any], *, devices: int | None = None,
