@@ -40,6 +40,7 @@ flags.DEFINE_string("storage_path", None, "Where Tune and Train keep results and
 
 
 BATCH_SIZES = (64, 128, 256)  # the searched global batch sizes
+STEPS_PER_CALL = 8  # a trial's batches per compiled call (the same numbers as one per call)
 
 
 def train_trial(config: dict) -> None:
@@ -53,6 +54,7 @@ def train_trial(config: dict) -> None:
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     from dtk.data import mnist  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
+    import tf_keras  # pylint: disable=g-import-not-at-top
 
     spec = dtk.parse_mesh_spec(config["mesh"])
     mesh = dtk.build_mesh(spec, device_type="cpu")
@@ -74,12 +76,13 @@ def train_trial(config: dict) -> None:
 
     validation = evaluation(full.skip(count - held))
     test = evaluation(mnist.load_mnist("test", source=config["dataset"], data_dir=config["data_dir"]))
-    trainer = dtk.Trainer(
-        mesh=mesh, model=model_spec.factory, layout=model_spec.layout,
-        optimizer=dtk.make_optimizer("adam", mesh, learning_rate=config["learning_rate"]),
-        loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-        config=dtk.TrainerConfig(seed=config["seed"], verbose=0,
-                                 checkpoint_dir=config.get("checkpoint_dir")))
+    # Keras's own fit on the mesh (dtk.distribute), fed the DistributedDatasets
+    # (dtk.train.keras_data): the Trainer's numbers, bit for bit (tests/test_distribute.py).
+    # A fixed count of steps per call: Keras's "auto" tuner would choose on each client alone.
+    model = dtk.distribute(model_spec.factory, mesh, layout=model_spec.layout, seed=config["seed"])
+    model.compile(optimizer=tf_keras.optimizers.Adam(config["learning_rate"]),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], steps_per_execution=STEPS_PER_CALL)
     if config.get("placement_group_file") and dtk.cluster.env.is_lead_client():
         _record_placement_group(config["placement_group_file"])
     report = dtk.cluster.ray.ReportCallback(config.get("checkpoint_dir"))
@@ -87,10 +90,14 @@ def train_trial(config: dict) -> None:
 
     def on_epoch_end(epoch, logs):
         if epoch + 1 == epochs:  # the last epoch also measures the test set
-            logs = {**logs, "test_accuracy": trainer.evaluate(test)["accuracy"]}
+            logs = {**logs, "test_accuracy": model.evaluate(test, verbose=0,
+                                                            return_dict=True)["accuracy"]}
         report(epoch, logs)
 
-    trainer.fit(train, epochs=epochs, validation_data=validation, on_epoch_end=[on_epoch_end])
+    callbacks = [tf_keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)]
+    if config.get("checkpoint_dir"):  # saved before the report, which attaches it
+        callbacks.insert(0, dtk.CheckpointCallback(config["checkpoint_dir"]))
+    model.fit(train, epochs=epochs, validation_data=validation, verbose=0, callbacks=callbacks)
 
 
 def _multi_client_trial(config: dict) -> None:

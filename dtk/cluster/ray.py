@@ -261,7 +261,9 @@ def _stage_latest(directory: str) -> str | None:
 
 
 class ReportCallback:
-    """``Trainer.fit(on_epoch_end=[...])``: reports each epoch's logs to Ray Train on every worker.
+    """Reports each epoch's logs to Ray Train on every worker: ``Trainer.fit(on_epoch_end=[...])``,
+    or from Keras's ``fit`` through ``tf_keras.callbacks.LambdaCallback(on_epoch_end=report)``
+    after a ``dtk.CheckpointCallback`` (``dtk-tune-mnist``'s trials).
 
     ``ray.train.report`` is a barrier, so every worker calls it; client 0 attaches the latest dtk
     checkpoint from ``checkpoint_dir`` (that checkpoint's files only) as a ``ray.train.Checkpoint``,
