@@ -957,3 +957,31 @@ def test_checkpoint_callback_refuses_a_resume_with_other_settings_unless_allowed
     assert callback.restored_epoch == 2 and len(losses) == 2
     assert callback.resume_changes == {"learning_rate": {"old": 0.01, "new": 0.02}}
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.02)
+
+
+def test_max_steps_stops_mid_call_and_a_checkpointed_run_resumes_to_the_same_weights(tmp_path):
+    """Issue 71 (TrainerConfig(max_steps=) for Keras's fit): dtk.MaxSteps(23) with 4 steps per
+    call stops at step 23 exactly, inside epoch 3 (its call shortened to the 3 steps left);
+    dtk.CheckpointCallback records that position, and the same fit again with MaxSteps(37) trains
+    the rest of epoch 3 and on: the weights of one uninterrupted run of 37 steps, bit for bit."""
+    mesh = dtk.build_mesh("batch=8")
+    data = _mnist_like(64 * 10)
+
+    def fit(callbacks):
+        model = _mnist_distributed(mesh, spe=4, dropout=0.2)
+        model.fit(_dataset(mesh, data, shuffle=True), epochs=5, verbose=0, callbacks=callbacks)
+        return model
+
+    stopped = fit([dtk.CheckpointCallback(tmp_path), dtk.MaxSteps(23)])
+    assert int(stopped.optimizer.iterations.numpy()) == 23
+    assert int(stopped._steps_per_execution.numpy()) == 4  # pylint: disable=protected-access
+    callback = dtk.CheckpointCallback(tmp_path)
+    resumed = fit([callback, dtk.MaxSteps(37)])
+    assert (callback.restored_epoch, callback.restored_step) == (2, 3)
+    whole = fit([dtk.MaxSteps(37)])
+    assert int(resumed.optimizer.iterations.numpy()) == 37
+    for w, v in zip(whole.weights, resumed.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)
+    with pytest.raises(ValueError, match=r"MaxSteps\(max_steps=...\) must be a positive integer; "
+                                         r"got 0"):
+        dtk.MaxSteps(0)

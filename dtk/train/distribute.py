@@ -1172,8 +1172,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._done = None  # batches of this epoch trained (Keras's batch index + 1)
 
     def on_train_batch_end(self, batch, logs=None):
+        self._done = int(batch) + 1
         if self._stop is None or self._stop.signum is None or self._preempted is not None:
             return
         steps = (self.params or {}).get("steps")
@@ -1189,6 +1191,14 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._preempted is not None and self._preempted[1]:
             return  # saved at the step where the signal was seen
+        steps = (self.params or {}).get("steps")
+        if steps and self._done is not None and self._done < steps:
+            # stop_training set inside the epoch (dtk.MaxSteps, a user's callback): the
+            # position is recorded, so that a resume trains the rest of the epoch.
+            self._checkpointer.save({"epoch": epoch, "step": self._done,
+                                     "settings": self._settings},
+                                    step=int(self.model.optimizer.iterations.numpy()))
+            return
         path = self._checkpointer.save({"epoch": epoch + 1, "settings": self._settings},
                                        step=int(self.model.optimizer.iterations.numpy()))
         if self._preempted is not None:
@@ -1218,6 +1228,61 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
             finally:
                 self._checkpointer.close()
                 self._checkpointer = None
+
+
+class MaxSteps(tf_keras.callbacks.Callback):
+    """Stops Keras's ``fit`` after ``max_steps`` optimizer steps in all, mid-epoch and mid-call.
+
+    What ``TrainerConfig(max_steps=...)`` and a script's ``--steps`` do, for Keras's own loop:
+    the count is the optimizer's step counter, so a resumed run (``dtk.CheckpointCallback``,
+    which then records the position inside the epoch) stops at the same step as an
+    uninterrupted one. With several steps per call, the call before the limit is shortened to
+    the steps left (Keras's next call reads the count; a ``DistributedDataset``'s stacks
+    follow it), so no step past the limit runs.
+
+    Args:
+      max_steps: optimizer steps after which training stops (a positive integer).
+
+    Example::
+
+        model.fit(train, epochs=100, callbacks=[dtk.CheckpointCallback(d), dtk.MaxSteps(5000)])
+    """
+
+    def __init__(self, max_steps: int):
+        super().__init__()
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"MaxSteps(max_steps=...) must be a positive integer; got "
+                             f"{max_steps!r}")
+        self.max_steps = max_steps
+        self._per_call = None  # Keras's steps per call, restored at the end of fit
+
+    def _left(self) -> int:
+        return self.max_steps - int(self.model.optimizer.iterations.numpy())
+
+    def on_train_begin(self, logs=None):
+        spe = getattr(self.model, "_steps_per_execution", None)
+        self._per_call = None if spe is None else int(spe.numpy())
+        self._limit()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._limit()  # (Keras restores its count after an epoch's last, shorter call)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._limit()
+
+    def _limit(self) -> None:
+        left = self._left()
+        if left <= 0:
+            self.model.stop_training = True
+            return
+        spe = getattr(self.model, "_steps_per_execution", None)
+        if spe is not None and self._per_call is not None and left < int(spe.numpy()):
+            spe.assign(left)
+
+    def on_train_end(self, logs=None):
+        spe = getattr(self.model, "_steps_per_execution", None)
+        if spe is not None and self._per_call is not None:
+            spe.assign(self._per_call)
 
 
 class _ResumeAt:
