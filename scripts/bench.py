@@ -198,11 +198,11 @@ def _timed(fn, steps, per_call=1):
 
 
 def _auto_timed(dtk, input_lib, mesh, steps_obj, arrays, steps):
-    """steps_per_execution="auto" as ``Trainer.fit`` runs it (the same ``_AutoSteps`` decisions on
+    """steps_per_execution="auto" as ``Trainer.fit`` runs it (the same ``AutoSteps`` decisions on
     the same kind of timed calls), then timed stacks of the chosen count (an MNIST epoch: 190)."""
-    from dtk.train import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+    from dtk.train import auto_steps  # pylint: disable=g-import-not-at-top
     x, y, w = arrays
-    auto = trainer_lib._AutoSteps(mesh, verbose=False)  # pylint: disable=protected-access
+    auto = auto_steps.AutoSteps(mesh, verbose=False)
     packed = {}
 
     def call():

@@ -10,7 +10,8 @@ calls 10x faster on client 0 and 100x slower on client 1, so the clients would c
 (stack / do not stack) if they did not agree; MC_EPOCHS=n trains n epochs (default 3); MC_MODEL=lm
 trains the transformer LM with dropout instead of the MLP; MC_PLAIN_EXIT=1 ends without
 dtk.cluster.env.exit_process, as a user's script does; MC_KERAS=1 trains with Keras's own fit on
-a dtk.distribute model fed the same DistributedDataset (dtk.train.keras_data), 4 steps per call.
+a dtk.distribute model fed the same DistributedDataset (dtk.train.keras_data), MC_KERAS_SPE
+steps per call (default 4; "auto": dtk's calibration, dtk.train.auto_steps).
 """
 
 import functools
@@ -33,15 +34,16 @@ if client == 1 and os.environ.get("MC_NEVER_START"):
 import tensorflow as tf  # noqa: E402
 
 if os.environ.get("MC_SKEW_AUTO"):
+    from dtk.train import auto_steps as _auto_steps
     from dtk.train import trainer as _trainer_lib
-    _observe = _trainer_lib._AutoSteps.observe  # pylint: disable=protected-access
+    _observe = _auto_steps.AutoSteps.observe
 
     def _skewed(self, seconds, steps, steps_per_epoch):
         skew = (0.1 if client == 0 else 100.0) if steps > 1 else 1.0
         return _observe(self, seconds * skew, steps, steps_per_epoch)
 
-    _trainer_lib._AutoSteps.observe = _skewed  # pylint: disable=protected-access
-    _trainer_lib.AUTO_MIN_STEPS = 1  # calibrate even in this short run
+    _auto_steps.AutoSteps.observe = _skewed
+    _trainer_lib.AUTO_MIN_STEPS = _auto_steps.AUTO_MIN_STEPS = 1  # calibrate even in this short run
 
 mesh = dtk.build_mesh(os.environ.get("MC_MESH", "batch=8"), device_type="cpu")
 rng = np.random.default_rng(0)
@@ -105,13 +107,16 @@ if os.environ.get("MC_KERAS"):  # Keras's own fit on a dtk.distribute model, fed
     keras_model = dtk.distribute(MODEL, mesh, layout=LAYOUT,
                                  seed=int(os.environ.get("MC_SEED", "0")))
     keras_model.compile(
-        optimizer=tf_keras.optimizers.Adam(1e-3), metrics=["accuracy"], steps_per_execution=4,
+        optimizer=tf_keras.optimizers.Adam(1e-3), metrics=["accuracy"],
+        steps_per_execution=(lambda v: v if v == "auto" else int(v))(
+            os.environ.get("MC_KERAS_SPE", "4")),
         loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fitted = keras_model.fit(train, epochs=int(os.environ.get("MC_EPOCHS", "3")), verbose=0)
     if client == 0 and os.environ.get("MC_OUT"):
         with open(os.environ["MC_OUT"], "w") as f:
             json.dump(fitted.history, f)
-    print("DONE", fitted.history["loss"], flush=True)
+    print("DONE", fitted.history["loss"], "steps per call:",
+          int(keras_model._steps_per_execution.numpy()), flush=True)  # pylint: disable=protected-access
     from dtk.cluster import env as cluster  # noqa: E402
     cluster.exit_process(0)
 trainer = dtk.Trainer(mesh=mesh, model=MODEL, layout=LAYOUT,

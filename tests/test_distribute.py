@@ -985,3 +985,41 @@ def test_max_steps_stops_mid_call_and_a_checkpointed_run_resumes_to_the_same_wei
     with pytest.raises(ValueError, match=r"MaxSteps\(max_steps=...\) must be a positive integer; "
                                          r"got 0"):
         dtk.MaxSteps(0)
+
+
+def test_auto_steps_per_call_under_keras_fit_is_dtks_and_bit_identical(monkeypatch):
+    """Issue 71 (steps_per_execution="auto" as a compile() option): a dtk.distribute model
+    compiled with "auto" runs dtk's calibration (dtk.train.auto_steps, whose choice every client
+    shares) instead of Keras's tuner: 1 per call, the probe's 2, then the choice, 3 (fixed here
+    in place of timings), the next fit keeps it; the weights and logs are those of one step per
+    call, bit for bit, on a DistributedDataset and on arrays."""
+    from dtk.train import auto_steps  # pylint: disable=import-outside-toplevel
+    counts = []
+
+    def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
+        counts.append(steps)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.steps_per_call = 2
+        if self.calls == 4:
+            self.set(3)
+
+    monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
+    monkeypatch.setattr(auto_steps, "AUTO_MIN_STEPS", 1)
+    mesh = dtk.build_mesh("batch=8")
+    data = _mnist_like(64 * 12)
+    one = _mnist_distributed(mesh)
+    want = one.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0).history
+    auto = _mnist_distributed(mesh, spe="auto")
+    got = auto.fit(_dataset(mesh, data, shuffle=True), epochs=2, verbose=0).history
+    assert counts[:4] == [1, 1, 2, 2] and auto._dtk_auto_steps == 3  # pylint: disable=protected-access
+    assert int(auto.optimizer.iterations.numpy()) == 24
+    assert got == want
+    for w, v in zip(one.weights, auto.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)
+    calls = len(counts)
+    auto.fit(data[0], data[1], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    one.fit(data[0], data[1], batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert len(counts) == calls  # the choice is kept: no new calibration
+    for w, v in zip(one.weights, auto.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)

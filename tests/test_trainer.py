@@ -12,6 +12,7 @@ import tf_keras
 
 import dtk
 from dtk.parallel import layouts
+from dtk.train import auto_steps
 from dtk.train import checkpoint as ckpt_lib
 from dtk.data import input as input_lib
 from dtk import models
@@ -370,8 +371,7 @@ def test_repeated_dataset_with_steps_per_epoch_resumes_exactly(tmp_path):
     (12.0, 3.0, 7, 7),
 ])
 def test_choose_steps_per_call(step_ms, overhead_ms, epoch, want):
-    from dtk.train import trainer as trainer_lib
-    assert trainer_lib.choose_steps_per_call(step_ms / 1e3, overhead_ms / 1e3, epoch) == want
+    assert auto_steps.choose_steps_per_call(step_ms / 1e3, overhead_ms / 1e3, epoch) == want
 
 
 @pytest.mark.parametrize("max_steps", [None, pytest.param(11, marks=pytest.mark.slow)])
@@ -388,7 +388,7 @@ def test_auto_steps_per_execution_is_bit_identical(monkeypatch, caplog, max_step
         if self.calls == 4:
             self.set(3)
 
-    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
+    monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
     monkeypatch.setattr(trainer_lib, "AUTO_MIN_STEPS", 1)
     one = _trainer(steps_per_execution=1, shard_optimizer_state=False, max_steps=max_steps)
     want = one.fit(_data(one.mesh), epochs=3)
@@ -428,7 +428,7 @@ def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch, cap
     def observe(self, seconds, steps, steps_per_epoch):
         self.set(2)
 
-    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", observe)  # pylint: disable=protected-access
+    monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
     monkeypatch.setattr(trainer_lib, "AUTO_MIN_STEPS", 1)
     full = _trainer(shard_optimizer_state=True)
     want = full.fit(_data(full.mesh), epochs=3).history
@@ -439,7 +439,7 @@ def test_auto_resume_keeps_the_choice_and_the_numbers(tmp_path, monkeypatch, cap
     def must_not_calibrate(self, seconds, steps, steps_per_epoch):
         raise AssertionError("a resumed run calibrated again")
 
-    monkeypatch.setattr(trainer_lib._AutoSteps, "observe", must_not_calibrate)  # pylint: disable=protected-access
+    monkeypatch.setattr(auto_steps.AutoSteps, "observe", must_not_calibrate)
     second = _trainer(checkpoint_dir=str(tmp_path), shard_optimizer_state=True)
     with caplog.at_level("INFO", logger="dtk"):
         got = second.fit(_data(second.mesh), epochs=3).history
@@ -516,11 +516,10 @@ def test_a_run_counted_in_steps_says_steps_not_epochs(capsys):
 ])
 def test_auto_steps_per_call_is_the_same_for_the_same_run(one_ms, stacked_ms, want):
     """Issue 70: "auto" chose 1, 8 or 19 on similar runs."""
-    from dtk.train import trainer as trainer_lib
-    auto = trainer_lib._AutoSteps(None, verbose=False)  # pylint: disable=protected-access
-    for _ in range(trainer_lib.AUTO_CALIBRATION_CALLS):
+    auto = auto_steps.AutoSteps(None, verbose=False)
+    for _ in range(auto_steps.AUTO_CALIBRATION_CALLS):
         auto.observe(one_ms / 1e3, 1, 190)
-    assert auto.steps_per_call == trainer_lib.AUTO_PROBE_STEPS and not auto.decided
-    for _ in range(1 + trainer_lib.AUTO_PROBE_CALLS):  # the first stacked call traces
+    assert auto.steps_per_call == auto_steps.AUTO_PROBE_STEPS and not auto.decided
+    for _ in range(1 + auto_steps.AUTO_PROBE_CALLS):  # the first stacked call traces
         auto.observe(stacked_ms * auto.steps_per_call / 1e3, auto.steps_per_call, 190)
     assert auto.decided and auto.steps_per_call == want

@@ -260,6 +260,18 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 if isinstance(name, str):
                     tf_keras.losses.get(name)
         args = list(args)
+        # "auto" steps per call: dtk's calibration (dtk.train.auto_steps), whose choice every
+        # client shares, in place of Keras's tuner (it times each client alone).
+        position = 6 if base is tf_keras.Model.compile else None  # compile()'s position
+        given = kwargs.get("steps_per_execution",
+                           args[position] if position is not None and len(args) > position
+                           else None)
+        state.auto_steps = isinstance(given, str) and given == "auto"
+        if state.auto_steps:
+            if "steps_per_execution" in kwargs:
+                kwargs["steps_per_execution"] = 1
+            else:
+                args[position] = 1
         for index, key in ((2, "metrics"), (5, "weighted_metrics")):  # compile()'s positions
             if key in kwargs:
                 kwargs[key] = _bind_metric_objects(kwargs[key], mesh)
@@ -307,6 +319,14 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 validation = kwargs.get("validation_data", args[7] if len(args) > 7 else None)
                 if isinstance(validation, (tf.data.Dataset, DistributedDataset)):
                     _check_data(self, "fit(validation_data=...)", validation, None)
+            if _name == "fit" and state.auto_steps:  # compile(steps_per_execution="auto")
+                from dtk.train.auto_steps import AutoStepsCallback  # pylint: disable=g-import-not-at-top
+                if len(args) > 5:
+                    args = (*args[:5], [AutoStepsCallback(state.mesh), *(args[5] or [])],
+                            *args[6:])
+                else:
+                    kwargs["callbacks"] = [AutoStepsCallback(state.mesh),
+                                           *(kwargs.get("callbacks") or [])]
             given = kwargs.get("callbacks", args[5] if len(args) > 5 and _name == "fit" else None)
             if _name == "fit":  # a DistributedDataset's training adapter claims it
                 x = kwargs.get("x", args[0] if args else None)

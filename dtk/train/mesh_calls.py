@@ -54,6 +54,7 @@ class MeshState:
         # distribute(sparse_tables=True): the tables' sparse update (dtk.train.sparse), and a
         # step's gradients of its lookups and the touched rows' changes, inside the trace.
         self.sparse_mode = False
+        self.auto_steps = False  # compile(steps_per_execution="auto"): dtk.train.auto_steps
         self.sparse: Any = None
         self.sparse_pending: Any = None
         self.sparse_changes: Any = None

@@ -50,6 +50,7 @@ from dtk import keras_check
 from dtk.data.input import DataSource, DistributedDataset
 from dtk.parallel.mesh import BATCH_AXIS
 from dtk.train import steps as steps_lib
+from dtk.train.auto_steps import AUTO_MIN_STEPS, AutoSteps
 from dtk.train.steps import StepConfig, Steps
 
 _PROGRESS_INTERVAL_S = 0.5  # read metrics (a device sync) at most this often
@@ -86,7 +87,7 @@ class TrainerConfig:
         ``"auto"`` times a few one-step calls at the start of ``fit``, then a few calls of
         ``AUTO_PROBE_STEPS`` stacked batches; what stacking saves gives the per-call overhead,
         and enough batches are stacked per call that it stays under ``AUTO_OVERHEAD_FRACTION``
-        of a step (see ``_AutoSteps`` and ``choose_steps_per_call``). Clients agree on client
+        of a step (see ``AutoSteps`` and ``choose_steps_per_call``). Clients agree on client
         0's choice. A fit planned for fewer than ``AUTO_MIN_STEPS`` steps runs one per call.
         It needs a ``DistributedDataset`` with ``InputConfig(steps_per_call=1)`` (it re-stacks
         it); data built with ``steps_per_call=n > 1`` runs ``n`` per call. An integer is used
@@ -419,7 +420,7 @@ class Trainer:
             # Calibrating costs a trace or two (~1-2 s): only worth it for a run long enough.
             if spe == 1 and isinstance(train_data, DistributedDataset) and \
                     planned >= AUTO_MIN_STEPS and "train_step" not in self.steps.custom:
-                self._auto = _AutoSteps(self.mesh, verbose=bool(self.config.verbose))
+                self._auto = AutoSteps(self.mesh, verbose=bool(self.config.verbose))
         self._spe = spe
         self._check_data(train_data, stacked=spe, where="fit(train_data=...)")
         if "train_step" in self.steps.custom and getattr(train_data.config, "remainder",
@@ -990,105 +991,6 @@ def _num_steps(batch) -> int:
 
 # A progress line a log (not a terminal) gets every this many seconds, and one at each epoch end.
 LOG_PROGRESS_INTERVAL_S = 30.0
-
-# steps_per_execution="auto"
-AUTO_CALIBRATION_CALLS = 8      # timed one-step calls (after the first, traced one)
-AUTO_PROBE_CALLS = 4            # timed stacked calls (after the one that traces): medians of
-                                # 4 and 2 chose 1 in one MNIST run of 3 where stacking saves 30%
-AUTO_PROBE_STEPS = 8            # then stacks of this many: one traced call, two timed
-AUTO_MIN_STEPS = 200            # a fit planned shorter runs one step per call (no calibration)
-AUTO_OVERHEAD_FRACTION = 0.03   # per-call overhead kept under this share of a step
-AUTO_MAX_STEPS_PER_CALL = 32
-# The probe's count is kept where the choice is within this factor of it: the overhead measured
-# from a few calls varies by 2x between runs (3.8 and 6.5 ms on the same MNIST run here, which
-# chose 8 and 19), and the time saved between such counts is a few percent of a step.
-AUTO_KEEP_PROBE = 4
-
-
-def choose_steps_per_call(step_s: float, overhead_s: float, steps_per_epoch: int) -> int:
-    """Batches per compiled call so that the per-call overhead is a small share of the work.
-
-    ``step_s`` is a measured one-step call (overhead included), ``overhead_s`` the measured
-    cost of a call that does nothing on the same mesh. The overhead of one call is spread over
-    ``n`` steps; ``n`` is the smallest count that brings it under ``AUTO_OVERHEAD_FRACTION`` of
-    the step's own work, capped by ``AUTO_MAX_STEPS_PER_CALL`` and by the epoch length, and
-    lowered (by at most half) to a divisor of the epoch length where one exists. A step that
-    dwarfs the overhead gets 1 (stacking would only add host memory and latency).
-    """
-    work = max(step_s - overhead_s, 1e-6)
-    n = max(1, min(math.ceil(overhead_s / (AUTO_OVERHEAD_FRACTION * work)),
-                   AUTO_MAX_STEPS_PER_CALL, steps_per_epoch))
-    # Prefer a count that divides the epoch (no short last stack, which costs another trace).
-    for d in range(n, (n + 1) // 2 - 1, -1):
-        if steps_per_epoch % d == 0:
-            return d
-    return n
-
-
-class _AutoSteps:
-    """``steps_per_execution="auto"``: measures one-step calls, then stacked calls, and decides.
-
-    Phase 1 times ``AUTO_CALIBRATION_CALLS`` one-step calls (``t1`` per step). Phase 2 stacks
-    ``AUTO_PROBE_STEPS`` batches per call and times ``AUTO_PROBE_CALLS`` calls after the one that traces
-    (``tp`` per step). The per-call overhead is what stacking saved, ``c = (t1 - tp) * p / (p - 1)``
-    (a no-op call underestimates it: a step's call carries every weight, slot and metric);
-    ``choose_steps_per_call(t1, c, ...)`` gives the count, kept at the probe's where it is within
-    ``AUTO_KEEP_PROBE`` x of it (no third trace; the same count on runs whose measured overhead
-    differs by 2x). When stacking saved under 3%, one step per call it is.
-    """
-
-    def __init__(self, mesh: dtensor.Mesh, *, verbose: bool):
-        self._mesh, self._verbose = mesh, verbose
-        self._single: list[float] = []
-        self._probe: list[float] = []
-        self._probe_calls = 0
-        self.decided = False
-        self.steps_per_call = 1
-
-    def set(self, n: int) -> None:
-        self.steps_per_call, self.decided = n, True
-
-    def observe(self, seconds: float, steps: int, steps_per_epoch: int) -> None:
-        """One timed call of ``steps`` steps (not the fit's first call)."""
-        if self.decided:
-            return
-        if steps == 1 and self.steps_per_call == 1:
-            self._single.append(seconds)
-            if len(self._single) >= AUTO_CALIBRATION_CALLS:
-                probe = min(AUTO_PROBE_STEPS, steps_per_epoch)
-                if probe < 2:
-                    self.set(1)
-                else:
-                    self.steps_per_call = probe
-            return
-        if steps != self.steps_per_call:
-            return  # a short stack (epoch end, max_steps): not comparable
-        self._probe_calls += 1
-        if self._probe_calls == 1:
-            return  # that call traced the stacked step
-        self._probe.append(seconds / steps)
-        if len(self._probe) < AUTO_PROBE_CALLS:
-            return
-        t1, tp, p = float(np.median(self._single)), float(np.median(self._probe)), self.steps_per_call
-        if tp >= (1 - AUTO_OVERHEAD_FRACTION) * t1:
-            n, overhead = 1, 0.0
-        else:
-            overhead = (t1 - tp) * p / (p - 1)
-            n = choose_steps_per_call(t1, overhead, steps_per_epoch)
-            if p / AUTO_KEEP_PROBE <= n <= AUTO_KEEP_PROBE * p:
-                n = p
-        if cluster.num_clients() > 1:  # timings differ by client; the stacking must not
-            n = int(mesh_lib.values_on_all_clients(self._mesh, float(n))[0])
-        self.set(n)
-        if self._verbose and cluster.is_lead_client() and not overhead:
-            _log.info("steps_per_execution=auto: 1 (one step per call %.2f ms, %d per call %.2f ms "
-                      "per step: stacking saves under %.0f%%)", 1000 * t1, p, 1000 * tp,
-                      100 * AUTO_OVERHEAD_FRACTION)
-        elif self._verbose and cluster.is_lead_client():
-            _log.info("steps_per_execution=auto: %d (one step per call %.2f ms, %d per call "
-                      "%.2f ms per step: %.2f ms of overhead per call)", n, 1000 * t1, p,
-                      1000 * tp, 1000 * overhead)
-
 
 def _first_steps(batch, n: int):
     """The first ``n`` batches of a stacked batch (for ``max_steps`` inside a stack)."""
