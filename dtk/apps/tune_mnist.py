@@ -40,7 +40,6 @@ flags.DEFINE_string("storage_path", None, "Where Tune and Train keep results and
 
 
 BATCH_SIZES = (64, 128, 256)  # the searched global batch sizes
-STEPS_PER_CALL = 8  # a trial's batches per compiled call (the same numbers as one per call)
 
 
 def train_trial(config: dict) -> None:
@@ -77,12 +76,12 @@ def train_trial(config: dict) -> None:
     validation = evaluation(full.skip(count - held))
     test = evaluation(mnist.load_mnist("test", source=config["dataset"], data_dir=config["data_dir"]))
     # Keras's own fit on the mesh (dtk.distribute), fed the DistributedDatasets
-    # (dtk.train.keras_data): the Trainer's numbers, bit for bit (tests/test_distribute.py).
-    # A fixed count of steps per call: Keras's "auto" tuner would choose on each client alone.
+    # (dtk.train.keras_data): the Trainer's numbers, bit for bit (tests/test_distribute.py);
+    # "auto" steps per call is dtk's calibration, one choice for every worker.
     model = dtk.distribute(model_spec.factory, mesh, layout=model_spec.layout, seed=config["seed"])
     model.compile(optimizer=tf_keras.optimizers.Adam(config["learning_rate"]),
                   loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], steps_per_execution=STEPS_PER_CALL)
+                  metrics=["accuracy"], steps_per_execution="auto")
     if config.get("placement_group_file") and dtk.cluster.env.is_lead_client():
         _record_placement_group(config["placement_group_file"])
     report = dtk.cluster.ray.ReportCallback(config.get("checkpoint_dir"))
