@@ -62,8 +62,8 @@ _EXPORTS = {
     "StepConfig": "dtk.train.steps",
     "Steps": "dtk.train.steps",
     "distribute": "dtk.train.distribute",
-    "CheckpointCallback": "dtk.train.distribute",
-    "MaxSteps": "dtk.train.distribute",
+    "CheckpointCallback": "dtk.train.callbacks",
+    "MaxSteps": "dtk.train.callbacks",
     "Preempted": "dtk.train.preemption",
     "enable_keras_distribution": "dtk.train.keras3",
     "batches_on_mesh": "dtk.train.keras3",
@@ -128,6 +128,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.train.optimizers import make_loss, make_metrics, make_optimizer  # noqa: F401
     from dtk.planning.planner import Plan, PlanError, plan  # noqa: F401
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
-    from dtk.train.distribute import CheckpointCallback, MaxSteps, distribute  # noqa: F401
+    from dtk.train.callbacks import CheckpointCallback, MaxSteps  # noqa: F401
+    from dtk.train.distribute import distribute  # noqa: F401
     from dtk.train.preemption import Preempted  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

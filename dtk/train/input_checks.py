@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -112,3 +113,13 @@ def check_targets(model: tf_keras.Model, loss: Any, labels: Any, where: str) -> 
             f"{name!r} compares them with the {classes} scores per example that model "
             f"{model.name!r} outputs; for class ids use loss='sparse_categorical_crossentropy' (from_logits="
             f"True for logits), or give one-hot labels of shape ({classes},)")
+
+
+def example_count(value: Any) -> int | None:
+    """The number of examples of an array argument (its first leaf's first dim), else None."""
+    for leaf in tf.nest.flatten(value):
+        if isinstance(leaf, np.ndarray) and leaf.ndim:
+            return int(leaf.shape[0])
+        if isinstance(leaf, tf.Tensor) and leaf.shape.rank and leaf.shape[0] is not None:
+            return int(leaf.shape[0])
+    return None
