@@ -21,7 +21,7 @@ M = [
  ("batch_left_unsharded", "dtk/data/input.py", "    layout = dtensor.Layout([dtensor.UNSHARDED] * dim + specs, mesh)\n    per = array.shape[dim] // size",
   "    layout = dtensor.Layout([dtensor.UNSHARDED] * dim + specs, mesh)\n    layout = dtensor.Layout.replicated(mesh, array.ndim); size = 1\n    per = array.shape[dim] // size",
   "tests/test_references.py::test_a_packed_batch_is_split_over_the_batch_axis_device_by_device"),
- ("optimizer_unbound", "dtk/train/distribute.py", "        bound = type(value)(**config, mesh=mesh)\n", "        bound = type(value)(**config)\n",
+ ("optimizer_unbound", "dtk/train/mesh_optimizer.py", "    return type(optimizer)(**config, mesh=mesh)\n", "    return type(optimizer)(**config)\n",
   "tests/test_references.py::test_distributed_adamw_with_ema_equals_plain_tf_keras"),
 ]
 parser = ArgumentParser(description=__doc__.splitlines()[0])

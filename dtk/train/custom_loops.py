@@ -96,12 +96,8 @@ def graph_mesh() -> dtensor.Mesh | None:
     return None
 
 
-def storage(variable: Any) -> Any:
-    """The DVariable under a mixed precision AutoCastVariable (the variable itself otherwise)."""
-    return getattr(variable, "_variable", variable)
-
-
 def _mesh_of_variables(variables) -> dtensor.Mesh | None:
+    from dtk.train.mesh_optimizer import storage  # pylint: disable=g-import-not-at-top
     for variable in variables:
         layout = getattr(storage(variable), "layout", None)
         if isinstance(layout, dtensor.Layout):
@@ -110,6 +106,7 @@ def _mesh_of_variables(variables) -> dtensor.Mesh | None:
 
 
 def _on_mesh(variable: tf.Variable) -> bool:
+    from dtk.train.mesh_optimizer import storage  # pylint: disable=g-import-not-at-top
     with tf.init_scope():
         try:
             return bool(dtensor.is_dtensor(storage(variable).handle))
@@ -139,12 +136,12 @@ def _bind_optimizers_at_first_apply() -> None:
 def bind_optimizer_in_place(optimizer: tf_keras.optimizers.Optimizer,
                             mesh: dtensor.Mesh) -> None:
     """``optimizer`` made again from its config with ``mesh=``, in place (its state is made on
-    the mesh when it builds), with dtk's mesh updates (``distribute._mesh_updates``).
+    the mesh when it builds), with dtk's mesh updates (``mesh_optimizer.mesh_updates``).
 
     Raises:
       ValueError: it has state already (built or stepped off the mesh), named, with the fix.
     """
-    from dtk.train import distribute  # pylint: disable=g-import-not-at-top
+    from dtk.train import mesh_optimizer  # pylint: disable=g-import-not-at-top
     with tf.init_scope():
         steps = int(optimizer.iterations.numpy())
         if steps or getattr(optimizer, "_built", False) or getattr(optimizer, "built", False):
@@ -154,10 +151,10 @@ def bind_optimizer_in_place(optimizer: tf_keras.optimizers.Optimizer,
                 f"{'taken ' + str(steps) + ' step(s)' if steps else 'built its state'} off the "
                 "mesh, so its state cannot move; make a new one (dtk binds an unused optimizer "
                 "to the mesh at its first apply_gradients), or pass mesh= when you make it")
-        bound = distribute.bound_copy(optimizer, mesh)
+        bound = mesh_optimizer.bound_copy(optimizer, mesh)
     vars(optimizer).clear()
     vars(optimizer).update(vars(bound))
-    distribute.prepare_bound_optimizer(optimizer)
+    mesh_optimizer.prepare_bound_optimizer(optimizer)
 
 
 def _mesh_in_use(args, kwargs) -> dtensor.Mesh | None:

@@ -53,11 +53,11 @@ from dtk.parallel import fsdp, layouts, ops, randomness
 from dtk.parallel import remat as dtk_remat
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.data.input import DistributedDataset
-from dtk.train import custom_loops, host_inputs, input_checks, keras_data
+from dtk.train import custom_loops, host_inputs, input_checks, keras_data, mesh_optimizer
 from dtk.train.callbacks import CheckpointCallback
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
-from dtk.train.optimizers import check_supported, keep_ema_on_mesh, make_metric
-from dtk.train.steps import auto_shard_optimizer_state, update_layout
+from dtk.train.optimizers import make_metric
+from dtk.train.steps import auto_shard_optimizer_state
 
 _log = logging.getLogger("dtk")
 
@@ -179,7 +179,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         shard_optimizer_state = not fsdp and auto_shard_optimizer_state(
             model.trainable_variables, mesh, batch_axis)
     if shard_optimizer_state:
-        model._dtk_mesh_state.sharded = _ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
+        model._dtk_mesh_state.sharded = mesh_optimizer.ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
     if not isinstance(sparse_tables, bool):
         raise ValueError(f"sparse_tables must be True or False; got {sparse_tables!r}")
     model._dtk_mesh_state.sparse_mode = sparse_tables  # pylint: disable=protected-access
@@ -280,7 +280,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 args[index] = _bind_metric_objects(args[index], mesh)
         with dtensor.default_mesh(mesh):  # metrics and optimizer state made here live on it
             base(self, *args, **kwargs)
-            _bind_optimizers(self, mesh, state.sharded)
+            mesh_optimizer.bind_optimizers(self, mesh, state.sharded)
         if getattr(self, "_steps_per_execution", None) is not None:
             # Keras's loop reads it before every step: a variable on the mesh (the model's
             # layout map makes it one) waits there for the step before; on the host it does not,
@@ -297,7 +297,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                 self, self.optimizer, True, batch_axis=state.batch_axis,
                 accumulation=state.accumulation, custom_step=_overrides(self, "train_step"))
             if state.sparse is not None:
-                _sparse_gradients(self.optimizer, state)
+                mesh_optimizer.sparse_gradients(self.optimizer, state)
         self.train_function = self.test_function = self.predict_function = None
 
     model.compile = types.MethodType(compile, model)
@@ -614,7 +614,7 @@ def _maker(step_name: str, attr: str) -> Callable:
 
         def traced_body(data):
             # tf.image.extract_patches in user code runs as dtk's equivalent; FSDP weights are
-            # read gathered (the optimizer's update reads their stored shards: _mesh_updates).
+            # read gathered (the optimizer's update reads their stored shards: mesh_optimizer).
             # The gathered weights live from the forward pass to the backward one here (the
             # Trainer gathers them again for the backward pass instead).
             with ops.during_steps(), fsdp.gather_scope():
@@ -794,210 +794,3 @@ def _bind_metric(metric: tf_keras.metrics.Metric, mesh: dtensor.Mesh
     for variable in rebuilt.variables:
         dtensor.fetch_layout(variable)  # raises if not on the mesh
     return rebuilt
-
-
-def _bind_optimizers(model: tf_keras.Model, mesh: dtensor.Mesh,
-                     sharded: _ShardedUpdate | None = None) -> None:
-    """Every optimizer the model holds after ``compile()`` (``model.optimizer``; a GAN's
-    ``d_optimizer`` and ``g_optimizer``), made again bound to ``mesh`` when it is not.
-
-    Raises:
-      ValueError: a legacy optimizer (it rejects ``mesh=``), naming the attribute.
-    """
-    for attr, value in list(vars(model).items()):
-        if attr.startswith("_") and attr != "_optimizer":
-            continue
-        if not isinstance(value, (tf_keras.optimizers.Optimizer,
-                                  tf_keras.optimizers.legacy.Optimizer)):
-            continue
-        if isinstance(value, tf_keras.optimizers.legacy.Optimizer):
-            raise ValueError(
-                f"{attr} is a legacy optimizer ({type(value).__name__}), which cannot be bound "
-                "to a DTensor mesh (it rejects mesh=); use tf_keras.optimizers."
-                f"{type(value).__name__} (not .legacy)")
-        check_supported(value, attr.lstrip("_"))
-        bound_to = getattr(value, "_mesh", None)
-        if bound_to is not None and bound_to != mesh:
-            raise ValueError(
-                f"{attr.lstrip('_')} {type(value).__name__} is bound to another mesh "
-                f"({', '.join(f'{a}={bound_to.dim_size(a)}' for a in bound_to.dim_names)}) than "
-                f"the model's ({', '.join(f'{a}={mesh.dim_size(a)}' for a in mesh.dim_names)}); "
-                "create it without mesh= (dtk binds it to the model's mesh) or with the model's")
-        if bound_to is not None:
-            continue
-        steps = np.asarray(value.iterations.numpy()) if tf.executing_eagerly() else None
-        if steps is not None and steps.shape == () and int(steps):
-            raise ValueError(f"{attr} ({type(value).__name__}) has already taken steps off the "
-                             "mesh; compile the laid-out model with a new optimizer")
-        name = "optimizer" if attr == "_optimizer" else attr
-        setattr(model, name, bound_copy(value, mesh))
-    for value in list(vars(model).values()):
-        if isinstance(value, tf_keras.optimizers.Optimizer):
-            prepare_bound_optimizer(value, sharded)
-
-
-def bound_copy(optimizer: tf_keras.optimizers.Optimizer, mesh: dtensor.Mesh
-               ) -> tf_keras.optimizers.Optimizer:
-    """A new optimizer of ``optimizer``'s class and config, bound to ``mesh``."""
-    config = optimizer.get_config()
-    config.pop("is_legacy_optimizer", None)
-    if isinstance(config.get("learning_rate"), dict):
-        config["learning_rate"] = tf_keras.optimizers.schedules.deserialize(
-            config["learning_rate"])
-    return type(optimizer)(**config, mesh=mesh)
-
-
-def prepare_bound_optimizer(optimizer: tf_keras.optimizers.Optimizer,
-                            sharded: _ShardedUpdate | None = None) -> None:
-    """An optimizer bound to the mesh, made to update laid-out weights as dtk does: its EMA
-    kept on the mesh, sparse gradients applied dense, the sharded update (``_mesh_updates``)."""
-    keep_ema_on_mesh(optimizer)
-    _mesh_updates(optimizer, sharded)
-
-
-def _mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
-                  sharded: _ShardedUpdate | None) -> None:
-    """Makes ``optimizer`` update the laid-out model's weights as dtk's Trainer does.
-
-    * An Embedding's sparse gradient (``IndexedSlices``) is applied dense: its sparse update is
-      ``ResourceScatterAdd``, which DTensor cannot lay out. The same values (the untouched rows
-      get zero gradient; Adam's moments decay on every row either way, as Keras's dense path
-      does).
-    * With ``sharded`` (ZeRO-style, ``distribute(shard_optimizer_state=...)``): the weights that
-      ``dtk.train.steps.update_layout`` splits are updated through a copy sharded over the batch
-      axis (see ``_ShardedUpdate``).
-    * An FSDP weight is updated where it is stored (its shards).
-    """
-    if getattr(optimizer, "_dtk_mesh_updates", False):
-        return
-    apply = optimizer.apply_gradients
-    build = optimizer.build
-    finalize = optimizer.finalize_variable_values
-
-    def apply_gradients(grads_and_vars, *args, **kwargs):
-        pairs, copies = [], []
-        for g, v in grads_and_vars:
-            g = tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-            entry = sharded.entry(v) if sharded is not None and g is not None else None
-            if entry is None:
-                pairs.append((g, v))
-                continue
-            master, layout, target = entry
-            # The copy starts each step from the weight itself (a slice of it, no collective):
-            # weights set between steps (load_weights, BackupAndRestore) are never stale.
-            master.assign(dtensor.relayout(_storage(v).read_value(), target))
-            # Pinned to the weight's layout first (layout propagation would otherwise push the
-            # sharded layout into the gradient's producer), then sliced.
-            pairs.append((dtensor.relayout(dtensor.relayout(g, layout), target), master))
-            copies.append((v, master, layout))
-        with fsdp.gather_scope(False):
-            result = apply(pairs, *args, **kwargs)
-        for v, master, layout in copies:  # all-gather over the batch axis
-            _storage(v).assign(dtensor.relayout(master.read_value(), layout))
-        return result
-
-    def mapped(var_list):
-        return [sharded.master_of(v) for v in var_list] if sharded is not None else var_list
-
-    def build_(var_list, *args, **kwargs):
-        return build(mapped(var_list), *args, **kwargs)
-
-    def finalize_variable_values(var_list):
-        var_list = list(var_list)
-        entries = [(v, sharded.entry(v) if sharded is not None else None) for v in var_list]
-        for v, entry in entries:
-            # The copy is refreshed from the weight first, as at every step: a fit that trains
-            # no step (a finished run run again, resumed from its last checkpoint) would
-            # otherwise write back a copy made before the restore (the initial values).
-            if entry is not None:
-                entry[0].assign(dtensor.relayout(_storage(v).read_value(), entry[2]))
-        finalize(mapped(var_list))  # EMA: the averages go into the copies, then the weights
-        for v, entry in entries:
-            if entry is not None:
-                _storage(v).assign(dtensor.relayout(entry[0].read_value(), entry[1]))
-
-    optimizer.apply_gradients = apply_gradients
-    optimizer.build = build_
-    optimizer.finalize_variable_values = finalize_variable_values
-    optimizer._dtk_mesh_updates = True  # pylint: disable=protected-access
-
-
-_storage = custom_loops.storage  # the DVariable under a mixed precision AutoCastVariable
-
-
-def _sparse_gradients(optimizer: tf_keras.optimizers.Optimizer, state: MeshState) -> None:
-    """``distribute(sparse_tables=True)``: Keras's ``train_step`` calls ``optimizer.minimize``;
-    its gradients are taken here of the other weights and of each table lookup's output (the
-    table's rows, never the table at full size), the compiled optimizer updates the other
-    weights, and ``state.sparse`` computes the touched rows' changes (``dtk.train.sparse``),
-    which the train function adds in place after the step."""
-    compute, apply, build = (optimizer.compute_gradients, optimizer.apply_gradients,
-                             optimizer.build)
-    tables = state.sparse
-
-    def dense(var_list):
-        return [v for v in var_list if not tables.is_table(v)]
-
-    def compute_gradients(loss, var_list, tape=None):
-        if tape is None:
-            return compute(loss, var_list, tape)
-        var_list = dense(var_list() if callable(var_list) else var_list)
-        recorded = tables.lookups()
-        grads = tape.gradient(loss, [*var_list, *tables.outputs(recorded)])
-        state.sparse_pending = (recorded, grads[len(var_list):])
-        return list(zip(grads[:len(var_list)], var_list))
-
-    def apply_gradients(grads_and_vars, *args, **kwargs):
-        if state.sparse_pending is not None:  # first: lazy Adam reads the step before its increment
-            state.sparse_changes = tables.apply(*state.sparse_pending)
-            state.sparse_pending = None
-        return apply(grads_and_vars, *args, **kwargs)
-
-    def build_(var_list, *args, **kwargs):  # no dense slots for the tables
-        return build(dense(list(var_list)), *args, **kwargs)
-
-    optimizer.compute_gradients = compute_gradients
-    optimizer.apply_gradients = apply_gradients
-    optimizer.build = build_
-
-
-class _ShardedUpdate:
-    """The ZeRO-style update of ``dtk.Trainer`` (``StepConfig.shard_optimizer_state``) for
-    Keras's own ``train_step``: each weight that ``update_layout`` splits (one of at least
-    ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device with a dim the batch axis divides)
-    gets a float32 copy laid out sharded over the batch axis. The optimizer builds its state
-    (Adam's moments, the EMA) on the copy, so that state takes 1/N of the memory per device, and
-    each device computes the update of its slice only; the weight is then all-gathered from the
-    copy. The same numbers as the update in place (elementwise). Smaller weights are updated in
-    place (their all-gathers would cost more than they save)."""
-
-    def __init__(self, mesh: dtensor.Mesh, batch_axis: str):
-        self.mesh, self.batch_axis = mesh, batch_axis
-        self._entries: dict[int, tuple] = {}  # id(weight) -> (weight, entry or None)
-        self._masters: set[int] = set()
-
-    def entry(self, variable: tf.Variable) -> tuple | None:
-        """``(copy, the weight's layout, the copy's layout)``, or None: updated in place."""
-        if id(variable) in self._masters:
-            return None
-        known = self._entries.get(id(variable))
-        if known is not None and known[0] is variable:
-            return known[1]
-        storage = _storage(variable)
-        entry = None
-        if not isinstance(storage, fsdp.GatheredVariable):  # FSDP: stored sharded, updated there
-            with tf.init_scope():  # made once, eagerly, even when first met in a trace
-                layout = dtensor.fetch_layout(storage)
-                target = update_layout(storage, self.mesh, self.batch_axis)
-                if target.sharding_specs != layout.sharding_specs:
-                    master = dtensor.DVariable(
-                        dtensor.relayout(storage.read_value(), target), trainable=False,
-                        name=getattr(storage, "_shared_name", None))
-                    self._masters.add(id(master))
-                    entry = (master, layout, target)
-        self._entries[id(variable)] = (variable, entry)
-        return entry
-
-    def master_of(self, variable: tf.Variable) -> tf.Variable:
-        entry = self.entry(variable)
-        return variable if entry is None else entry[0]
