@@ -1023,3 +1023,21 @@ def test_auto_steps_per_call_under_keras_fit_is_dtks_and_bit_identical(monkeypat
     assert len(counts) == calls  # the choice is kept: no new calibration
     for w, v in zip(one.weights, auto.weights):
         np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)
+
+
+def test_checkpoint_callback_keeps_the_whole_runs_history_across_a_resume(tmp_path):
+    """Issue 71 (the Trainer's checkpoint record, for Keras's fit): Keras's History of a resumed
+    fit holds its own epochs; the CheckpointCallback's holds the whole run's, restored from the
+    checkpoint: a run killed after epoch 2 and resumed logs epochs 0-3 with the uninterrupted
+    run's losses, bit for bit."""
+    x, y = _binary_data(192)
+    fit = functools.partial(_fit_no_shuffle, x, y)
+    whole = dtk.CheckpointCallback(tmp_path / "whole")
+    full = fit(_dropout_compiled("batch=8"), [whole])
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(_dropout_compiled("batch=8"), [dtk.CheckpointCallback(tmp_path / "a"), _Killed()])
+    callback = dtk.CheckpointCallback(tmp_path / "a")
+    resumed = fit(_dropout_compiled("batch=8"), [callback])
+    assert resumed == full[2:]  # Keras's own History: this fit's epochs
+    assert whole.epochs == callback.epochs == [0, 1, 2, 3]
+    assert whole.history["loss"] == callback.history["loss"] == full

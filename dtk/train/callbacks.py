@@ -65,6 +65,13 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
       settings: more settings that shape the run, recorded and compared with dtk's own (e.g.
         ``{"dataset": "idx"}``).
 
+    Attributes:
+      epochs, history: the whole run's completed epochs and their logs (``{"loss": [...]}``),
+        those before a resume included (restored from the checkpoint; Keras's ``History``
+        holds this ``fit``'s only).
+      restored_epoch, restored_step: where the last ``fit`` resumed (None: from the start).
+      resume_changes: the settings that resume changed on purpose (``allow_change``).
+
     Example::
 
         model.fit(x, y, epochs=10, callbacks=[dtk.CheckpointCallback("/ckpt")])
@@ -91,6 +98,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         self._stop = None
         self._epoch = 0
         self._preempted: list | None = None  # [checkpoint, saved inside an epoch] after a signal
+        # The whole run's per-epoch logs, the epochs before a resume included (Keras's History
+        # holds those of this fit only): saved in every checkpoint and restored with it.
+        self.epochs: list[int] = []
+        self.history: dict[str, list[float]] = {}
         self.restored_epoch: int | None = None  # the epoch the last fit resumed at
         self.restored_step: int = 0  # batches of that epoch trained before the checkpoint
 
@@ -145,6 +156,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                 raise
         self.restored_epoch = None if restored is None else int(restored["epoch"])
         self.restored_step = 0 if restored is None else int(restored.get("step", 0))
+        record = (restored or {}).get("history") or {}
+        self.epochs = list(record.get("epochs", []))
+        self.history = {k: list(v) for k, v in (record.get("logs") or {}).items()}
         if self.restored_epoch is not None:
             epochs = (self.params or {}).get("epochs")
             if epochs is not None and self.restored_epoch >= epochs:
@@ -217,7 +231,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         self._preempted = [None, steps is None or done < steps]  # [checkpoint, inside the epoch]
         if self._preempted[1]:  # the position in the epoch; at its end, on_epoch_end saves
             self._preempted[0] = self._checkpointer.save(
-                {"epoch": self._epoch, "step": done, "settings": self._settings},
+                self._state({"epoch": self._epoch, "step": done}),
                 step=int(self.model.optimizer.iterations.numpy()))
             self._checkpointer.wait()
         self.model.stop_training = True
@@ -229,17 +243,30 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
         if steps and self._done is not None and self._done < steps:
             # stop_training set inside the epoch (dtk.MaxSteps, a user's callback): the
             # position is recorded, so that a resume trains the rest of the epoch.
-            self._checkpointer.save({"epoch": epoch, "step": self._done,
-                                     "settings": self._settings},
+            self._checkpointer.save(self._state({"epoch": epoch, "step": self._done}),
                                     step=int(self.model.optimizer.iterations.numpy()))
             return
-        path = self._checkpointer.save({"epoch": epoch + 1, "settings": self._settings},
+        self.epochs.append(epoch)
+        for key, value in (logs or {}).items():
+            try:
+                value = float(value)
+            except (TypeError, ValueError):  # a train_step's own log that is no one number
+                continue
+            self.history.setdefault(key, []).append(value)
+        path = self._checkpointer.save(self._state({"epoch": epoch + 1}),
                                        step=int(self.model.optimizer.iterations.numpy()))
         if self._preempted is not None:
             self._checkpointer.wait()
             self._preempted[0] = path
             if epoch + 1 >= (self.params or {}).get("epochs", 0):
                 self._preempted = None  # the run's last epoch: it ends as it would
+
+    def _state(self, position: dict[str, int]) -> dict[str, Any]:
+        """What a checkpoint records beside the weights: the position, the run's settings, and
+        the per-epoch logs of every epoch completed (a resumed epoch's logs cover the batches
+        after the resume, as Keras's)."""
+        return {**position, "settings": self._settings,
+                "history": {"epochs": self.epochs, "logs": self.history}}
 
     def on_train_end(self, logs=None):
         from dtk.train import preemption  # pylint: disable=g-import-not-at-top
