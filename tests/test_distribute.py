@@ -1041,3 +1041,39 @@ def test_checkpoint_callback_keeps_the_whole_runs_history_across_a_resume(tmp_pa
     assert resumed == full[2:]  # Keras's own History: this fit's epochs
     assert whole.epochs == callback.epochs == [0, 1, 2, 3]
     assert whole.history["loss"] == callback.history["loss"] == full
+
+
+def test_a_resumed_run_keeps_its_automatic_steps_per_call(tmp_path, monkeypatch):
+    """compile(steps_per_execution="auto") with dtk.CheckpointCallback: the choice (3, fixed here
+    in place of timings) is recorded in the checkpoints; the run killed after epoch 2 and
+    resumed takes it after its first call, without calibrating again, and ends on the weights
+    of one step per call, bit for bit."""
+    from dtk.train import auto_steps  # pylint: disable=import-outside-toplevel
+    counts = []
+
+    def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
+        counts.append(steps)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.steps_per_call = 2
+        if self.calls == 4:
+            self.set(3)
+
+    monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
+    monkeypatch.setattr(auto_steps, "AUTO_MIN_STEPS", 1)
+    mesh = dtk.build_mesh("batch=8")
+    data = _mnist_like(64 * 12)
+    first = _mnist_distributed(mesh, spe="auto")
+    with pytest.raises(RuntimeError, match="killed"):
+        first.fit(_dataset(mesh, data, shuffle=True), epochs=4, verbose=0,
+                  callbacks=[dtk.CheckpointCallback(tmp_path), _Killed()])
+    calibrated = len(counts)
+    resumed = _mnist_distributed(mesh, spe="auto")
+    resumed.fit(_dataset(mesh, data, shuffle=True), epochs=4, verbose=0,
+                callbacks=[dtk.CheckpointCallback(tmp_path)])
+    assert len(counts) == calibrated  # no calibration again
+    assert int(resumed._steps_per_execution.numpy()) == 3  # pylint: disable=protected-access
+    one = _mnist_distributed(mesh)
+    one.fit(_dataset(mesh, data, shuffle=True), epochs=4, verbose=0)
+    for w, v in zip(one.weights, resumed.weights):
+        np.testing.assert_array_equal(v.numpy(), w.numpy(), err_msg=v.name)

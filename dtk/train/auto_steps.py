@@ -136,7 +136,8 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
     back before the second: the call has run); the fit's first call (it traces) and calls of
     another count (an epoch's last, shorter one) are not used. A fit planned for fewer than
     ``AUTO_MIN_STEPS`` steps runs one step per call. The choice is kept on the model for its
-    later fits.
+    later fits, and in a ``CheckpointCallback``'s checkpoints: a resumed run takes it after its
+    first call, without calibrating again.
     """
 
     def __init__(self, mesh: dtensor.Mesh):
@@ -172,6 +173,10 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
         seconds = time.perf_counter() - self._start
         if self._first:  # it traced
             self._first = False
+            restored = getattr(self.model, "_dtk_auto_steps", None)
+            if restored is not None:  # a CheckpointCallback resumed a run that had chosen
+                self._count().assign(restored)
+                self._auto = None
             return
         before = auto.steps_per_call
         auto.observe(seconds, self._steps, int((self.params or {}).get("steps") or 1))

@@ -156,6 +156,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                 raise
         self.restored_epoch = None if restored is None else int(restored["epoch"])
         self.restored_step = 0 if restored is None else int(restored.get("step", 0))
+        if (restored or {}).get("auto_steps_per_call"):  # a resume does not calibrate again
+            object.__setattr__(self.model, "_dtk_auto_steps", int(restored["auto_steps_per_call"]))
         record = (restored or {}).get("history") or {}
         self.epochs = list(record.get("epochs", []))
         self.history = {k: list(v) for k, v in (record.get("logs") or {}).items()}
@@ -262,11 +264,13 @@ class CheckpointCallback(tf_keras.callbacks.Callback):
                 self._preempted = None  # the run's last epoch: it ends as it would
 
     def _state(self, position: dict[str, int]) -> dict[str, Any]:
-        """What a checkpoint records beside the weights: the position, the run's settings, and
-        the per-epoch logs of every epoch completed (a resumed epoch's logs cover the batches
-        after the resume, as Keras's)."""
+        """What a checkpoint records beside the weights: the position, the run's settings, the
+        per-epoch logs of every epoch completed (a resumed epoch's logs cover the batches after
+        the resume, as Keras's), and the automatic steps per call once chosen."""
         return {**position, "settings": self._settings,
-                "history": {"epochs": self.epochs, "logs": self.history}}
+                "history": {"epochs": self.epochs, "logs": self.history},
+                # compile(steps_per_execution="auto")'s choice (dtk.train.auto_steps), once made
+                "auto_steps_per_call": getattr(self.model, "_dtk_auto_steps", None)}
 
     def on_train_end(self, logs=None):
         from dtk.train import preemption  # pylint: disable=g-import-not-at-top
