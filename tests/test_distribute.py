@@ -987,16 +987,14 @@ def test_max_steps_stops_mid_call_and_a_checkpointed_run_resumes_to_the_same_wei
         dtk.MaxSteps(0)
 
 
-def test_auto_steps_per_call_under_keras_fit_is_dtks_and_bit_identical(monkeypatch):
-    """Issue 71 (steps_per_execution="auto" as a compile() option): a dtk.distribute model
-    compiled with "auto" runs dtk's calibration (dtk.train.auto_steps, whose choice every client
-    shares) instead of Keras's tuner: 1 per call, the probe's 2, then the choice, 3 (fixed here
-    in place of timings), the next fit keeps it; the weights and logs are those of one step per
-    call, bit for bit, on a DistributedDataset and on arrays."""
+def _fixed_auto_decisions(monkeypatch) -> list:
+    """steps_per_execution="auto" deciding by call count instead of timings: 1 per call, the
+    probe's 2 after the second timed call, 3 after the fourth. Returns the list the timed calls'
+    step counts are appended to."""
     from dtk.train import auto_steps  # pylint: disable=import-outside-toplevel
     counts = []
 
-    def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
+    def observe(self, seconds, steps, steps_per_epoch):  # pylint: disable=unused-argument
         counts.append(steps)
         self.calls = getattr(self, "calls", 0) + 1
         if self.calls == 2:
@@ -1006,6 +1004,16 @@ def test_auto_steps_per_call_under_keras_fit_is_dtks_and_bit_identical(monkeypat
 
     monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
     monkeypatch.setattr(auto_steps, "AUTO_MIN_STEPS", 1)
+    return counts
+
+
+def test_auto_steps_per_call_under_keras_fit_is_dtks_and_bit_identical(monkeypatch):
+    """Issue 71 (steps_per_execution="auto" as a compile() option): a dtk.distribute model
+    compiled with "auto" runs dtk's calibration (dtk.train.auto_steps, whose choice every client
+    shares) instead of Keras's tuner: 1 per call, the probe's 2, then the choice, 3 (fixed here
+    in place of timings), the next fit keeps it; the weights and logs are those of one step per
+    call, bit for bit, on a DistributedDataset and on arrays."""
+    counts = _fixed_auto_decisions(monkeypatch)
     mesh = dtk.build_mesh("batch=8")
     data = _mnist_like(64 * 12)
     one = _mnist_distributed(mesh)
@@ -1048,19 +1056,7 @@ def test_a_resumed_run_keeps_its_automatic_steps_per_call(tmp_path, monkeypatch)
     in place of timings) is recorded in the checkpoints; the run killed after epoch 2 and
     resumed takes it after its first call, without calibrating again, and ends on the weights
     of one step per call, bit for bit."""
-    from dtk.train import auto_steps  # pylint: disable=import-outside-toplevel
-    counts = []
-
-    def observe(self, seconds, steps, steps_per_epoch):  # fixed decisions instead of timings
-        counts.append(steps)
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 2:
-            self.steps_per_call = 2
-        if self.calls == 4:
-            self.set(3)
-
-    monkeypatch.setattr(auto_steps.AutoSteps, "observe", observe)
-    monkeypatch.setattr(auto_steps, "AUTO_MIN_STEPS", 1)
+    counts = _fixed_auto_decisions(monkeypatch)
     mesh = dtk.build_mesh("batch=8")
     data = _mnist_like(64 * 12)
     first = _mnist_distributed(mesh, spe="auto")

@@ -61,7 +61,7 @@ def _guide_loop(model, batches, val_metric):
         return loss_value
 
     @tf.function
-    def test_step(x, y):
+    def validation_step(x, y):  # (the guide's test_step)
         val_metric.update_state(y, model(x, training=False))
 
     logged = []
@@ -80,7 +80,7 @@ def _guide_loop(model, batches, val_metric):
         logged.append(float(train_acc_metric.result()))
         train_acc_metric.reset_state()
         for x_batch, y_batch in batches(val_dataset):
-            test_step(x_batch, y_batch)
+            validation_step(x_batch, y_batch)
         logged.append(float(val_metric.result()))
         val_metric.reset_state()
     return np.array(logged), [w.numpy() for w in model.trainable_weights]
@@ -120,11 +120,11 @@ def test_a_metric_counts_each_example_once_eagerly_and_traced():
     traced, eager = (tf_keras.metrics.SparseCategoricalAccuracy() for _ in range(2))
 
     @tf.function
-    def test_step(x, y):
+    def validation_step(x, y):  # (the guide's test_step)
         traced.update_state(y, model(x, training=False))
 
     xs, ys = dtk.pack(mesh, (x, y))
-    test_step(xs, ys)
+    validation_step(xs, ys)
     eager.update_state(ys, model(xs))
     assert 0 < float(plain.result()) < 1
     assert float(traced.result()) == float(eager.result()) == float(plain.result())

@@ -398,13 +398,9 @@ def _check_data(model: tf_keras.Model, method: str, x: Any, y: Any) -> None:
         if y_example is not None and method != "predict":
             input_checks.check_targets(model, getattr(model, "loss", None), y_example,
                                        where.replace("(x=", "(y="))
-    loss = getattr(model, "loss", None)
-    outputs = getattr(model, "outputs", None) or []
-    sparse = loss in ("sparse_categorical_crossentropy",) or isinstance(
-        loss, tf_keras.losses.SparseCategoricalCrossentropy)
-    if sparse and len(outputs) == 1 and isinstance(y, np.ndarray) and y.size and \
-            y.dtype.kind in "iu" and outputs[0].shape[-1] is not None:
-        classes = int(outputs[0].shape[-1])
+    classes = _implied_classes(model)
+    if classes is not None and isinstance(y, np.ndarray) and y.size and y.dtype.kind in "iu":
+        outputs = model.outputs
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= classes:
             bad = high if high >= classes else low
