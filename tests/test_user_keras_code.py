@@ -970,6 +970,14 @@ def _bad_fit_calls():
         "distributed_dataset_and_y": (lambda m: m.fit(input_lib.DistributedDataset(
             unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
             y, verbose=0), r"^fit\(y=...\): a dtk.DistributedDataset holds its labels"),
+        "distributed_dataset_and_batch_size": (lambda m: m.fit(input_lib.DistributedDataset(
+            unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
+            batch_size=32, verbose=0), r"^fit\(batch_size=...\) with a dtk.DistributedDataset: "
+                                       r"the dataset batches itself.*drop batch_size"),
+        "distributed_dataset_and_class_weight": (lambda m: m.fit(input_lib.DistributedDataset(
+            unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16)),  # pylint: disable=protected-access
+            class_weight={0: 1.0, 1: 1.0, 2: 2.0}, verbose=0),
+            r"^fit\(class_weight=...\) with a dtk.DistributedDataset"),
         "distributed_dataset_stacked": (lambda m: m.fit(input_lib.DistributedDataset(
             unbatched, m._dtk_mesh_state.mesh, input_lib.InputConfig(global_batch_size=16,  # pylint: disable=protected-access
                                                                      steps_per_call=2)),

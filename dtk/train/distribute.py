@@ -313,9 +313,19 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
                              validation_split=kwargs.get("validation_split"))
             _check_data(self, _name, kwargs.get("x", args[0] if args else None), y)
             weights_at = {"fit": 10, "evaluate": 4}.get(_name)  # sample_weight's position
+            sample_weight = kwargs.get("sample_weight", args[weights_at] if weights_at is not None
+                                       and len(args) > weights_at else None)
             _check_call(self, _name, kwargs.get("x", args[0] if args else None), y,
-                        kwargs.get("sample_weight", args[weights_at] if weights_at is not None
-                                   and len(args) > weights_at else None))
+                        sample_weight)
+            if isinstance(kwargs.get("x", args[0] if args else None), DistributedDataset):
+                for arg, value in (("batch_size", size), ("sample_weight", sample_weight),
+                                   ("class_weight", kwargs.get("class_weight"))):
+                    if value is not None:  # Keras would ignore it, or fail inside its loop
+                        raise ValueError(
+                            f"{_name}({arg}=...) with a dtk.DistributedDataset: the dataset "
+                            "batches itself (InputConfig(global_batch_size=...)) and carries "
+                            "its own sample weights (elements (features, labels, "
+                            f"sample_weights)); drop {arg}, or give them in the dataset")
             if _name == "fit":
                 validation = kwargs.get("validation_data", args[7] if len(args) > 7 else None)
                 if isinstance(validation, (tf.data.Dataset, DistributedDataset)):
