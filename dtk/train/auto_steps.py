@@ -132,8 +132,8 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
     calibration drives Keras's steps per call (its next call reads the count; a
     ``DistributedDataset``'s stacks follow it), and the clients agree on client 0's choice.
 
-    Each call is timed from its batch-begin to its batch-end hook (Keras reads the call's logs
-    back before the second: the call has run); the fit's first call (it traces) and calls of
+    Each call is timed from its batch-begin hook to the read-back of its logs in its batch-end
+    hook (the call has run); the fit's first call (it traces) and calls of
     another count (an epoch's last, shorter one) are not used. A fit planned for fewer than
     ``AUTO_MIN_STEPS`` steps runs one step per call. The choice is kept on the model for its
     later fits, and in a ``CheckpointCallback``'s checkpoints: a resumed run takes it after its
@@ -142,6 +142,9 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
 
     def __init__(self, mesh: dtensor.Mesh):
         super().__init__()
+        # Keras then hands the logs over as tensors, read back only while calibrating: with a
+        # callback that takes host logs, every call of the whole fit would wait for the last.
+        self._supports_tf_logs = True
         self._mesh = mesh
         self._auto: AutoSteps | None = None
         self._start, self._steps, self._first = 0.0, 1, True
@@ -170,6 +173,9 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
         auto = self._auto
         if auto is None:
             return
+        for value in (logs or {}).values():  # the call has run once its logs are read back
+            np.asarray(value)
+            break
         seconds = time.perf_counter() - self._start
         if self._first:  # it traced
             self._first = False
