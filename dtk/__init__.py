@@ -64,6 +64,7 @@ _EXPORTS = {
     "distribute": "dtk.train.distribute",
     "CheckpointCallback": "dtk.train.callbacks",
     "MaxSteps": "dtk.train.callbacks",
+    "ProgressCallback": "dtk.train.progress",
     "Preempted": "dtk.train.preemption",
     "enable_keras_distribution": "dtk.train.keras3",
     "batches_on_mesh": "dtk.train.keras3",
@@ -129,6 +130,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from dtk.planning.planner import Plan, PlanError, plan  # noqa: F401
     from dtk.train.steps import StepConfig, Steps  # noqa: F401
     from dtk.train.callbacks import CheckpointCallback, MaxSteps  # noqa: F401
+    from dtk.train.progress import ProgressCallback  # noqa: F401
     from dtk.train.distribute import distribute  # noqa: F401
     from dtk.train.preemption import Preempted  # noqa: F401
     from dtk.train.trainer import History, Trainer, TrainerConfig  # noqa: F401

@@ -90,7 +90,8 @@ VARIANTS = {
     "dtk_fit_dataset": "tf_keras's own fit on a dtk.distribute model fed a dtk.DistributedDataset "
                        "(packed in its prefetch thread; dtk.train.keras_data), batch=8, "
                        "steps_per_execution=32",
-    "dtk_default": "dtk defaults, mesh batch=8: shard_optimizer_state=auto, steps_per_execution=auto",
+    "dtk_default": "dtk.Trainer's defaults, mesh batch=8: Keras's fit on a dtk.distribute model fed a "
+                   "DistributedDataset, shard_optimizer_state=auto, steps_per_execution=auto",
     "dtk_batch8": "dtk Steps, mesh batch=8 (replicated update, one step per call)",
     "dtk_batch8_spe": "dtk Steps, mesh batch=8, steps_per_execution=10",
     "dtk_batch8_zero": "dtk Steps, mesh batch=8, shard_optimizer_state (ZeRO-style update)",
@@ -197,31 +198,34 @@ def _timed(fn, steps, per_call=1):
     return first, times
 
 
-def _auto_timed(dtk, input_lib, mesh, steps_obj, arrays, steps):
-    """steps_per_execution="auto" as ``Trainer.fit`` runs it (the same ``AutoSteps`` decisions on
-    the same kind of timed calls), then timed stacks of the chosen count (an MNIST epoch: 190)."""
-    from dtk.train import auto_steps  # pylint: disable=g-import-not-at-top
-    x, y, w = arrays
-    auto = auto_steps.AutoSteps(mesh, verbose=False)
-    packed = {}
+def _trainer_default(dtk, tf, tf_keras, hidden, x, y, batch, steps, workload) -> dict:
+    """``dtk.Trainer`` with its defaults (Keras's ``fit`` on a ``dtk.distribute`` model fed a
+    ``DistributedDataset``; the sharded update and steps per call chosen automatically): two
+    epochs of 190 batches (an MNIST epoch), every call read back; ms/step over the second
+    epoch's calls, after the automatic choice."""
+    mesh = _mesh(dtk, "batch=8")
+    start = time.perf_counter()
+    trainer = dtk.Trainer(mesh=mesh, model=lambda: _model(tf_keras, hidden), optimizer="adam",
+                          loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                          config=dtk.TrainerConfig(seed=0, verbose=0))
+    epoch = 190
+    data = dtk.DistributedDataset(tf.data.Dataset.from_tensor_slices((x, y)).repeat(), mesh,
+                                  dtk.InputConfig(global_batch_size=batch,
+                                                  steps_per_epoch=epoch))
+    stamps = []
 
-    def call():
-        n = auto.steps_per_call
-        if n not in packed:
-            packed[n] = (input_lib.pack(mesh, (x[0], y[0], w[0])) if n == 1 else
-                         input_lib.pack(mesh, (x[:n], y[:n], w[:n]), stacked=True))
-        start = time.perf_counter()
-        float(steps_obj.train(packed[n], stacked=n > 1))
-        return time.perf_counter() - start, n
-
-    first, _ = call()
-    while not auto.decided:
-        seconds, n = call()
-        auto.observe(seconds, n, 190)
-    n = auto.steps_per_call
-    _, times = _timed(lambda: steps_obj.train(packed.get(n) or input_lib.pack(
-        mesh, (x[:n], y[:n], w[:n]), stacked=True), stacked=n > 1), max(steps, 2 * n), per_call=n)
-    return first, times, n
+    def mark(step):  # after every compiled call: read back, as the other variants' calls are
+        int(trainer.optimizer.iterations.numpy())
+        stamps.append((step, time.perf_counter()))
+    trainer.fit(data, epochs=2 + max(0, steps - epoch) // epoch, on_step_end=[mark])
+    first = stamps[0][1] - start
+    late = [s for s in stamps if s[0] > epoch]
+    times = [1000 * (b - a) / (m - n) for (n, a), (m, b) in zip(late, late[1:])]
+    return {"variant": "dtk_default", "workload": workload,
+            "ms_per_step": statistics.median(times), "first_step_s": first,
+            "timed_steps": late[-1][0] - late[0][0],
+            "steps_per_execution": trainer.steps_per_execution,
+            "shard_optimizer_state": trainer.shard_optimizer_state}
 
 
 def _worker(variant: str, workload: str, steps: int) -> dict:
@@ -238,7 +242,7 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     batch, hidden = spec["batch"], spec["hidden"]
     if variant.startswith("keras3"):
         return _keras3_worker(variant, workload, spec, steps)
-    spe = 10 if "_spe" in variant else 32 if variant == "dtk_default" else 1
+    spe = 10 if "_spe" in variant else 1
     rng = np.random.default_rng(0)
     x = rng.random((spe, batch, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, (spe, batch)).astype(np.int64)
@@ -248,6 +252,8 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
     tf_keras.utils.set_random_seed(0)
     loss_obj = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
+    if variant == "dtk_default":
+        return _trainer_default(dtk, tf, tf_keras, hidden, x[0], y[0], batch, steps, workload)
     if variant == "floor":
         step, _ = _floor_step(tf, tf_keras, _model(tf_keras, hidden), loss_obj)
         xb, yb = tf.constant(x[0]), tf.constant(y[0])
@@ -307,21 +313,11 @@ def _worker(variant: str, workload: str, steps: int) -> dict:
         steps_obj = dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="adam",
                               metrics=["accuracy"], mesh=mesh,
                               config=dtk.StepConfig(
-                                  steps_per_execution=spe,
-                                  shard_optimizer_state=("auto" if variant == "dtk_default"
-                                                         else "_zero" in variant),
+                                  steps_per_execution=spe, shard_optimizer_state="_zero" in variant,
                                   remat=(r"d\d+",) if "_remat" in variant else ()))
-        packed = (None if variant == "dtk_default"
-                  else input_lib.pack(mesh, (x, y, w), stacked=True) if spe > 1
+        packed = (input_lib.pack(mesh, (x, y, w), stacked=True) if spe > 1
                   else input_lib.pack(mesh, (x[0], y[0], w[0])))
         build_s = time.perf_counter() - start
-        if variant == "dtk_default":  # the Trainer's automatic choice, on the same measurements
-            first, times, chosen = _auto_timed(dtk, input_lib, mesh, steps_obj, (x, y, w), steps)
-            first += build_s
-            return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),
-                    "first_step_s": first, "timed_steps": len(times) * chosen,
-                    "steps_per_execution": chosen,
-                    "shard_optimizer_state": steps_obj.shard_optimizer_state}
         first, times = _timed(lambda: steps_obj.train(packed), steps, per_call=spe)
         first += build_s
     return {"variant": variant, "workload": workload, "ms_per_step": statistics.median(times),

@@ -62,9 +62,9 @@ def _run(asynchronous: bool) -> dict[str, float]:
     times, writing = [], []
 
     def on_step(step):
-        float(trainer.steps.loss_metric.result())  # wait for the step
+        int(trainer.optimizer.iterations.numpy())  # wait for the step
         times.append(time.perf_counter())
-        writing.append(trainer._checkpointer.saving)  # pylint: disable=protected-access
+        writing.append(trainer.checkpoint_callback.saving)
     trainer.fit(data, epochs=FLAGS.epochs, on_step_end=[on_step])
     intervals = np.diff(times)
     spe = FLAGS.steps_per_epoch

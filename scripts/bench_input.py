@@ -97,16 +97,36 @@ def _setup(directory):
                           config=dtk.TrainerConfig(verbose=0))
     data = input_lib.DistributedDataset(pipeline(directory).repeat(), mesh, input_lib.InputConfig(
         global_batch_size=_BATCH.value, shuffle=True, shuffle_buffer=10_000,
-        steps_per_epoch=_STEPS.value, steps_per_call=_SPC.value))
+        steps_per_epoch=_STEPS.value))
     return trainer, data
 
 
-def _loop(steps, items) -> float:
+def _items(data, epoch: int):
+    """One epoch's packed items, as Keras's fit reads them from a DistributedDataset."""
+    return data.keras_batches(epoch, steps_per_call=_SPC.value)
+
+
+def _loop(model, items) -> float:
+    """ms per step of the model's compiled train call (Keras's step, as fit runs it) over
+    packed items: the input's cost is what the step waits for."""
+    from dtk.train import keras_data  # pylint: disable=g-import-not-at-top
+
+    class Packed(keras_data.EpochIterator):  # what the compiled call reads: take(count)
+        def __init__(self, source):  # pylint: disable=super-init-not-called
+            self._source = iter(source)
+
+        def take(self, count, *, stack=True):
+            return [next(self._source)]
+
+    train, packed = model.make_train_function(), Packed(items)
     start = time.perf_counter()
-    loss = None
-    for batch in items:
-        loss = steps.train(batch, stacked=_SPC.value > 1)
-    float(loss)
+    logs = None
+    while True:
+        try:
+            logs = train(packed)
+        except StopIteration:
+            break
+    float(logs["loss"])
     return 1000 * (time.perf_counter() - start) / _STEPS.value
 
 
@@ -114,13 +134,10 @@ def child(directory: str) -> None:
     """Trains ``--steps`` steps from the stream; prints peak RSS and first-batch latency (JSON)."""
     start = time.perf_counter()
     trainer, data = _setup(directory)
-    items = data.epoch(0)
+    items = _items(data, 0)
     first = next(items)
     first_s = time.perf_counter() - start
-    trainer.steps.train(first, stacked=_SPC.value > 1)
-    for batch in items:
-        trainer.steps.train(batch, stacked=_SPC.value > 1)
-    float(trainer.steps.results()["loss"])
+    _loop(trainer.model, [first, *items])
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "first_batch_s": first_s}))
 
@@ -134,14 +151,14 @@ def client(directory: str, mode: str) -> None:
     trainer = dtk.Trainer(mesh=mesh, model=dtk.models.mnist_mlp, optimizer="adam",
                           config=dtk.TrainerConfig(verbose=0))
     config = input_lib.InputConfig(global_batch_size=_BATCH.value, shuffle=True,
-                                   steps_per_epoch=_STEPS.value, steps_per_call=_SPC.value)
+                                   steps_per_epoch=_STEPS.value)
     if mode == "scale":
         data = input_lib.DistributedDataset.from_function(
             lambda shard: pipeline(directory, shard).repeat(), mesh, config)
     else:
         data = input_lib.DistributedDataset(pipeline(directory).repeat(), mesh, config)
-    _loop(trainer.steps, data.epoch(0))
-    ms = statistics.median(_loop(trainer.steps, data.epoch(e)) for e in (1, 2, 3))
+    _loop(trainer.model, _items(data, 0))
+    ms = statistics.median(_loop(trainer.model, _items(data, e)) for e in (1, 2, 3))
     if dtk.cluster.env.is_lead_client():
         print(json.dumps({"mode": mode, "ms_per_step": ms}), flush=True)
 
@@ -188,12 +205,12 @@ def main(argv):
               f"{time.perf_counter() - start:.0f} s", flush=True)
 
     trainer, data = _setup(os.path.join(work, "small"))
-    steps = trainer.steps
-    _loop(steps, data.epoch(0))                       # warm up: trace, fill buffers
-    prepacked = list(data.epoch(1))
+    steps = trainer.model
+    _loop(steps, _items(data, 0))                     # warm up: trace, fill buffers
+    prepacked = list(_items(data, 1))
     rows = []
     for repeat in range(3):
-        streamed_ms = _loop(steps, data.epoch(2 + repeat))
+        streamed_ms = _loop(steps, _items(data, 2 + repeat))
         prepacked_ms = _loop(steps, prepacked)
         rows.append((streamed_ms, prepacked_ms))
     streamed = statistics.median(r[0] for r in rows)

@@ -168,8 +168,8 @@ history = trainer.fit(train, epochs=int(os.environ.get("MC_EPOCHS", "3")),
 if client == 0 and os.environ.get("MC_OUT"):
     with open(os.environ["MC_OUT"], "w") as f:
         json.dump(history.history, f)
-resumed = getattr(trainer._checkpointer, "restored", None)  # pylint: disable=protected-access
-print("DONE", history.history["loss"], "sharded update:", trainer.steps.shard_optimizer_state,
+resumed = trainer.restored_checkpoint
+print("DONE", history.history["loss"], "sharded update:", trainer.shard_optimizer_state,
       "resumed from:", resumed and os.path.basename(resumed), flush=True)
 # MC_PLAIN_EXIT=1: end as a user's script does, through the interpreter's normal exit (dtk leaves
 # the group at exit: dtk.cluster.env.leave_group_at_exit); otherwise as dtk's scripts do.

@@ -227,10 +227,6 @@ def _plain_model():
     return dtk.models.mnist_mlp()
 
 
-def _scalar_loss(y, p):
-    return tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True))
-
-
 API_CASES = [  # (id, call, exception, phrase)
     ("model is an array", lambda: _trainer(model=np.zeros(3)), TypeError,
      "model must be a tf_keras.Model or a factory returning one; got ndarray"),
@@ -251,8 +247,6 @@ API_CASES = [  # (id, call, exception, phrase)
      "value(s) outside [0, 10) in a batch (e.g. 10; InputConfig(num_classes=10))"),
     ("no batches", lambda: _trainer().fit(_data(n=5, gbs=8), epochs=1), ValueError,
      "data has no batches: 5 example(s) with global_batch_size=8"),
-    ("scalar loss", lambda: _trainer(loss=_scalar_loss).fit(_data(), epochs=1), ValueError,
-     "returned a scalar; dtk needs per-example losses"),
     ("load_table(123)", lambda: layouts.load_table(123), TypeError,
      "layout table must be a name"),
     ("load_table(dir)", lambda: layouts.load_table(procs.REPO / "layouts"), ValueError,
@@ -400,8 +394,8 @@ API_CASES = [  # (id, call, exception, phrase)
      ValueError, "fit(validation_data=...): one example's features have shape (14, 14, 1)"),
     ("validation_data as a tf.data dataset", lambda: _trainer().fit(
         _data(), epochs=1, validation_data=_ds().batch(32)), TypeError,
-     "fit(validation_data=...): data must be a dtk.DistributedDataset (or another "
-     "dtk.data.input.DataSource); got _BatchDataset. Wrap a tf.data.Dataset of unbatched "
+     "fit(validation_data=...): data must be a dtk.DistributedDataset; got _BatchDataset. "
+     "Wrap a tf.data.Dataset of unbatched "
      "(features, labels) with dtk.DistributedDataset"),
     ("plan over devices that cannot split the batch", lambda: dtk.plan(
         dtk.models.mnist_mlp, devices=3, global_batch_size=128), ValueError,

@@ -81,7 +81,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, damage, uni
     with caplog.at_level("WARNING", logger="dtk"):
         history = trainer.fit(_data(trainer.mesh), epochs=EPOCHS)
     want = RESUMES_AT.get(damage, 12)
-    assert trainer._checkpointer.restored.endswith(f"ckpt-{want}")
+    assert trainer.restored_checkpoint.endswith(f"ckpt-{want}")
     if damage in ("state file garbage", "state file empty"):  # one warning, however often listed
         assert caplog.text.count("cannot be read") == 1, caplog.text
     if want != STOP_AT:
@@ -161,12 +161,15 @@ import tests.conftest
 from tests import procs
 from tests.test_trainer import _data, _trainer
 from dtk.train import checkpoint as ckpt_lib
-trainer = _trainer(checkpoint_dir={str(small)!r})  # the start-up check passes
-with open({str(small / "filler")!r}, "wb") as f:
-    with contextlib.suppress(OSError):
-        f.write(b"\\0" * 10_000_000)
+trainer = _trainer(checkpoint_dir={str(small)!r})
+
+def fill(step):  # after the start-up check (at fit's start), before the epoch's save
+    if step == 1:
+        with open({str(small / "filler")!r}, "wb") as f:
+            with contextlib.suppress(OSError):
+                f.write(b"\\0" * 10_000_000)
 try:
-    trainer.fit(_data(trainer.mesh), epochs=1)
+    trainer.fit(_data(trainer.mesh), epochs=1, on_step_end=[fill])
 except ckpt_lib.CheckpointError as e:
     print("ERROR", e)
 print("LEFT", sorted(glob.glob({str(small)!r} + "/ckpt-6*")))
@@ -183,6 +186,9 @@ def test_a_checkpoint_of_another_run_is_never_overwritten_or_resumed_silently(tm
     first one's next save finds the other run's newer checkpoint and refuses, naming both runs."""
     first = _trainer(checkpoint_dir=str(tmp_path), max_steps=6)
     first.fit(_data(first.mesh), epochs=1)
+    # the first run, still writing (one that got past the lock): it continues its own id
+    writer = ckpt_lib.Checkpointer(str(tmp_path), model=first.model, optimizer=first.optimizer)
+    writer.restore()
     other = _trainer(checkpoint_dir=str(tmp_path), restart_from_scratch=True, max_steps=12)
     other.fit(_data(other.mesh), epochs=2)
     assert other.run_id != first.run_id
@@ -190,7 +196,8 @@ def test_a_checkpoint_of_another_run_is_never_overwritten_or_resumed_silently(tm
     with pytest.raises(ckpt_lib.CheckpointError,
                        match=rf"holds ckpt-12, written by another run \(run {other.run_id}\) while "
                              rf"this run \(run {first.run_id}\)"):
-        first._checkpointer.save({}, step=7)
+        writer.save({}, step=7)
+    writer.close()
     assert not glob.glob(str(tmp_path / "ckpt-7*"))
     # A resumed run continues the id of the run it resumes.
     again = _trainer(checkpoint_dir=str(tmp_path))

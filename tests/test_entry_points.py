@@ -484,7 +484,7 @@ def test_dataset_mesh_argument():
     ("accuracy", ["accuracy"]), (["accuracy", "top5"], ["accuracy", "top5"]), (None, ["accuracy"]),
     ([], [])])
 def test_metrics_take_a_name_or_a_list(mesh, metrics, names):
-    assert [m.name for m in _trainer(mesh, metrics=metrics).steps.metrics] == names
+    assert [m.name for m in _trainer(mesh, metrics=metrics).metrics] == names
 
 
 def test_unknown_metric_names_the_metric(mesh):
@@ -518,8 +518,8 @@ def test_compiled_factory_trains_with_its_compiled_settings(mesh):
     trainer = _trainer(mesh, model=_compiled_mlp)
     assert type(trainer.optimizer).__name__ == "SGD"
     np.testing.assert_allclose(dtk.global_value(trainer.optimizer.learning_rate), 0.07, rtol=1e-6)
-    assert [m.name for m in trainer.steps.metrics] == ["mae"]
-    assert trainer.steps.loss_fn is tf_keras.losses.mean_squared_error  # Keras's meaning of "mse"
+    assert trainer.model.compiled_metrics._user_metrics == ["mae"]  # pylint: disable=protected-access
+    assert trainer.loss == "mse"  # compiled as given: Keras's meaning of "mse"
 
 
 def test_given_settings_win_over_compiled_ones_with_one_line(mesh, caplog):

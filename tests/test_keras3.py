@@ -114,8 +114,8 @@ def test_the_guides_model_parallel_fit_evaluate_predict_equal_plain_keras(shape)
     # Adam's moments: the kernel's layout, plus dtk's sharded update over "data" (each device
     # keeps and updates its slice) where the data axis has several devices
     # (64K+ elements a device: on (8, 1) the 784 x 200 kernel's state is cut 8 ways)
-    from dtk.train import steps  # pylint: disable=g-import-not-at-top
-    want_specs = steps.update_layout(kernel.value, kernel.value.layout.mesh, "data") \
+    from dtk.train import mesh_optimizer  # pylint: disable=g-import-not-at-top
+    want_specs = mesh_optimizer.update_layout(kernel.value, kernel.value.layout.mesh, "data") \
         .sharding_specs
     assert want_specs[1] == "model"
     assert want_specs[0] == ("data" if shape == (8, 1) else dtensor.UNSHARDED)

@@ -75,7 +75,7 @@ def test_keras_io_example_trains_like_one_device_resumes_and_exports(name, tmp_p
     history, resumed = _fit(name, "batch=4,model=2", epochs=2, checkpoint_dir=ckpt,
                             allow_change=("mesh",))
     # it resumed after epoch 1, it did not start again
-    assert resumed._checkpointer.restored.endswith(f"ckpt-{stopped.global_step}")  # pylint: disable=protected-access
+    assert resumed.restored_checkpoint.endswith(f"ckpt-{stopped.global_step}")
     assert resumed.global_step == 2 * stopped.global_step
     assert set(history) == set(one), (sorted(history), sorted(one))
     for key, values in one.items():

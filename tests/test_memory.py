@@ -13,6 +13,7 @@ import tensorflow as tf
 import dtk
 from dtk.data import input as input_lib
 from dtk.parallel import layouts
+from dtk.train import input_checks
 from dtk import models
 from tests import procs
 
@@ -144,7 +145,7 @@ def test_variant_matches_one_device(variant, kind, spec):
     history = trainer.fit(_data(trainer.mesh, kind), epochs=2).history["loss"]
     _check(trainer, history, kind)
     if VARIANTS[variant].get("fsdp"):
-        assert trainer.layout_plan.fsdp and not trainer.steps.shard_optimizer_state
+        assert trainer.layout_plan.fsdp and not trainer.shard_optimizer_state
 
 
 @pytest.mark.parametrize("variant", [
@@ -222,7 +223,7 @@ def test_accumulation_and_remat_bad_values():
     mesh = dtk.build_mesh("batch=8")
     with pytest.raises(ValueError, match=r"does not divide the per-device batch: global batch 32 "
                                          r"over mesh axis 'batch' \(size 8\) is 4 examples"):
-        dtk.steps.check_accumulation(32, mesh, 3)
+        input_checks.check_accumulation(32, mesh, 3)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive integer"):
         dtk.TrainerConfig(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="tuple of layer-name patterns"):

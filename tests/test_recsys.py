@@ -317,7 +317,7 @@ def test_sparse_table_state_resumes_onto_another_mesh(tmp_path, opt_name, sparse
                                   seed=7, verbose=0, checkpoint_dir=str(tmp_path / "ckpt"),
                                   steps_per_execution=1, shard_optimizer_state=False,
                                   sparse_tables=sparse, allow_change=("mesh",)))
-        assert trainer.steps.sparse is not None
+        assert trainer.sparse is not None
         losses = trainer.fit(data, epochs=epochs).history["loss"]
         predicted.append(trainer.predict(input_lib.DistributedDataset(
             tf.data.Dataset.from_tensor_slices((features, labels)), mesh,
@@ -396,7 +396,7 @@ def test_dict_features_run_several_steps_per_call_like_one_step_per_call(sparse)
                               loss="binary_crossentropy",
                               config=dtk.TrainerConfig(seed=7, verbose=0, steps_per_execution=spe,
                                                        sparse_tables=sparse))
-        assert (trainer.steps.sparse is not None) == sparse
+        assert (trainer.sparse is not None) == sparse
         losses[spe] = trainer.fit(data, epochs=2).history["loss"]
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-6)
 

@@ -245,8 +245,6 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
     the padding does not change the logits at the last real position, which are read.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
-    import dtk  # pylint: disable=g-import-not-at-top
-    from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
     rng = np.random.default_rng(seed)
     rows = mesh.dim_size("batch")
     out = bytearray(prompt)
@@ -255,7 +253,7 @@ def generate(trainer, mesh, prompt: bytes, *, seq_len: int, n: int, temperature:
         window = np.zeros((rows, seq_len), np.int32)
         window[:, :len(context)] = np.frombuffer(bytes(context), np.uint8)
         logits = (trainer.predict_value(window) if hasattr(trainer, "pipe") else
-                  dtk.global_value(trainer.steps.predict(input_lib.pack(mesh, window))))
+                  np.asarray(trainer.model.predict_on_batch(window)))
         last = logits[0, len(context) - 1].astype(np.float64)
         if temperature <= 0:
             token = int(np.argmax(last))
@@ -328,7 +326,8 @@ def _setup():
                 f"{FLAGS.grad_accum} x mesh axis 'batch' of size {mesh.dim_size(dtk.BATCH_AXIS)} "
                 f"(a stage's batch axis); use a multiple of {rows}")
     else:
-        dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+        from dtk.train.input_checks import check_accumulation  # pylint: disable=g-import-not-at-top
+        check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     shard = FLAGS.shard_optimizer_state
     if shard is None:  # "auto": the estimate assumes it applies wherever the batch axis is split
         shard = mesh.dim_size(dtk.BATCH_AXIS) > 1 and full_mesh is mesh
@@ -690,7 +689,7 @@ def run() -> dict:
         "export": exported,
         "mesh": str(spec), "num_clients": dtk.cluster.env.num_clients(), "layout": FLAGS.layout,
         "resume_changes": trainer.resume_changes, "run_id": trainer.run_id,
-        "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
+        "fsdp": FLAGS.fsdp, "remat_layers": trainer.remat_layers,
         "grad_accum": FLAGS.grad_accum, "planned_bytes_per_device": memory,
         "auto_plan": cli.plan_summary(auto_plan),
         "steps": trainer.global_step, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,

@@ -134,6 +134,7 @@ def run() -> dict:
 
     import tf_keras  # pylint: disable=g-import-not-at-top
     from dtk.data import input as input_lib  # pylint: disable=g-import-not-at-top
+    from dtk.train.input_checks import check_accumulation  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts  # pylint: disable=g-import-not-at-top
     from dtk.data import mnist  # pylint: disable=g-import-not-at-top
     from dtk import models  # pylint: disable=g-import-not-at-top
@@ -162,7 +163,7 @@ def run() -> dict:
     factory = model_spec.factory
 
     optimizer_name = (FLAGS.optimizer or model_spec.optimizer).lower()
-    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     if FLAGS.explain_layouts or FLAGS.device_memory_gb:
         plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                     fsdp=FLAGS.fsdp)
@@ -229,9 +230,9 @@ def run() -> dict:
         "optimizer": optimizer_name, "learning_rate": learning_rate, "epochs": FLAGS.epochs,
         "global_batch_size": FLAGS.global_batch_size,
         "steps_per_execution": trainer.steps_per_execution,
-        "fsdp": FLAGS.fsdp, "remat_layers": trainer.steps.remat_layers,
+        "fsdp": FLAGS.fsdp, "remat_layers": trainer.remat_layers,
         "grad_accum": FLAGS.grad_accum,
-        "shard_optimizer_state": trainer.steps.shard_optimizer_state,
+        "shard_optimizer_state": trainer.shard_optimizer_state,
         "steps": trainer.global_step,
         # Settings changed on purpose at a resume (--allow_change): {key: {old, new}}; the values
         # above are the ones used.

@@ -138,7 +138,8 @@ def _setup():
                                  sizes)
     plan = layouts.plan_layouts(table, mesh, factory, allow_replicated=FLAGS.allow_replicated,
                                 fsdp=FLAGS.fsdp)
-    dtk.steps.check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
+    from dtk.train.input_checks import check_accumulation  # pylint: disable=g-import-not-at-top
+    check_accumulation(FLAGS.global_batch_size, mesh, FLAGS.grad_accum)
     slots = _SLOTS[FLAGS.optimizer]
     memory = layouts.memory_per_device(plan, optimizer_slots=slots, shard_optimizer_state=False)
     if FLAGS.device_memory_gb:

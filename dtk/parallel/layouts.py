@@ -266,7 +266,7 @@ def shard_over_axis(dims: Sequence[str | None], shape: Sequence[int], axis: str,
                     size: int) -> tuple[str | None, ...]:
     """``dims`` plus ``axis`` on the first unsharded dim that ``size`` divides; unchanged when
     the axis already shards a dim or no dim qualifies. The placement of the sharded optimizer
-    update (``dtk.train.steps.update_layout``) and of FSDP weights (``dtk.parallel.fsdp``)."""
+    update (``dtk.train.mesh_optimizer.update_layout``) and of FSDP weights (``dtk.parallel.fsdp``)."""
     dims = list(dims)
     if size > 1 and axis not in dims:
         for dim, n in enumerate(shape):
@@ -290,7 +290,7 @@ def sharded_update_dims(dims: Sequence[str | None], shape: Sequence[int], axis: 
     weight of at least ``SHARDED_UPDATE_MIN_ELEMENTS`` elements a device (its whole size over
     the devices its own ``dims`` divide it over; ``sizes``: the mesh's axis sizes), else ``dims``
     unchanged (updated in place, replicated over ``axis``). The one rule for
-    ``dtk.train.steps.update_layout`` and ``memory_per_device``."""
+    ``dtk.train.mesh_optimizer.update_layout`` and ``memory_per_device``."""
     if math.prod(int(n) for n in shape) // _split(dims, sizes) < SHARDED_UPDATE_MIN_ELEMENTS:
         return tuple(dims)
     return shard_over_axis(dims, shape, axis, sizes.get(axis, 1))
@@ -1288,7 +1288,7 @@ def memory_per_device(plan: LayoutPlan, *, optimizer_slots: int = 2,
     ``shard_optimizer_state`` the state of a weight that ``sharded_update_dims`` splits (a dim
     divisible by the batch axis, ``SHARDED_UPDATE_MIN_ELEMENTS`` or more elements a device) is
     split over it too, and the sharded update keeps a float32 copy of that weight laid out like
-    its state (see ``dtk.train.steps.update_layout``); the other weights' state stays replicated.
+    its state (see ``dtk.train.mesh_optimizer.update_layout``); the other weights' state stays replicated.
     """
     sizes = dict(plan.mesh_axes)
     batch = sizes.get("batch", 1)

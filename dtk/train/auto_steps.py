@@ -148,15 +148,23 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
         self._mesh = mesh
         self._auto: AutoSteps | None = None
         self._start, self._steps, self._first = 0.0, 1, True
+        self._realign: int | None = None  # n, after one shorter call that lines the calls up
+
+    def _state(self):
+        return self.model._dtk_mesh_state  # pylint: disable=protected-access
 
     def _count(self):
         return self.model._steps_per_execution  # pylint: disable=protected-access
+
+    def on_train_end(self, logs=None):
+        object.__setattr__(self.model, "_dtk_calibrating", False)
+        self._state().aligning = False
 
     def on_train_begin(self, logs=None):
         chosen = getattr(self.model, "_dtk_auto_steps", None)
         params = self.params or {}
         planned = (params.get("steps") or 0) * (params.get("epochs") or 0)
-        self._first = True
+        self._first, self._realign = True, None
         if chosen is not None or planned < AUTO_MIN_STEPS:
             self._auto = None
             self._count().assign(chosen or 1)
@@ -165,11 +173,18 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
         self._count().assign(self._auto.steps_per_call)
 
     def on_train_batch_begin(self, batch, logs=None):
+        # (a progress callback leaves the calibration's calls, read back one by one, untimed)
+        object.__setattr__(self.model, "_dtk_calibrating", self._auto is not None)
         if self._auto is not None:
             self._steps = int(self._count().numpy())
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._realign is not None:  # the shorter call ran: n per call from here
+            self._count().assign(self._realign)
+            self._realign = None
+            self._state().aligning = False
+            return
         auto = self._auto
         if auto is None:
             return
@@ -189,5 +204,14 @@ class AutoStepsCallback(tf_keras.callbacks.Callback):
         if auto.steps_per_call != before:
             self._count().assign(auto.steps_per_call)
         if auto.decided:
-            object.__setattr__(self.model, "_dtk_auto_steps", auto.steps_per_call)
+            n = auto.steps_per_call
+            object.__setattr__(self.model, "_dtk_auto_steps", n)
             self._auto = None
+            done = int(batch) + 1  # (Keras's index of the call's last batch in the epoch)
+            if n > 1 and done % n:
+                # One shorter call first, so that the calls line up with the epoch's stacks
+                # of n (a DistributedDataset stacks them again there: dtk.train.keras_data) and
+                # the epoch's last call is the later epochs' (their loops traced once, here).
+                self._count().assign(n - done % n)
+                self._realign = n
+                self._state().aligning = True  # (that call's batches are not stacked again)

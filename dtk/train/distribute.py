@@ -57,7 +57,6 @@ from dtk.train import custom_loops, host_inputs, input_checks, keras_data, mesh_
 from dtk.train.callbacks import CheckpointCallback
 from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
 from dtk.train.optimizers import make_metric
-from dtk.train.steps import auto_shard_optimizer_state
 
 _log = logging.getLogger("dtk")
 
@@ -96,7 +95,7 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
         every optimizer's state and update of each large weight are sharded over the batch
         axis, then the weight is all-gathered (the same numbers; that state's memory per device
         divided by the axis size). ``"auto"`` (the default) turns it on when it shards
-        something (``dtk.train.steps.auto_shard_optimizer_state``), off under ``fsdp`` (the
+        something (``dtk.train.mesh_optimizer.auto_shard_optimizer_state``), off under ``fsdp`` (the
         weights are stored sharded already).
       batch_axis: the mesh axis the batch is split over.
       sparse_tables: update only the rows a step touched of the Embedding tables the layout
@@ -169,14 +168,41 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                                        input_shape=input_shape, batch_axis=batch_axis,
                                        allow_replicated=allow_replicated,
                                        shard_optimizer_state=shard_optimizer_state)
-    if remat:
-        _log.info("remat: %s recompute their activations in the backward pass",
-                  ", ".join(dtk_remat.apply(model, remat)))
-    on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
+    prepare(model, mesh, seed=seed, remat=remat, fsdp=fsdp,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            shard_optimizer_state=shard_optimizer_state, batch_axis=batch_axis,
+            sparse_tables=sparse_tables)
     if host is not None:
         model._dtk_mesh_state.host = host  # pylint: disable=protected-access
+    _save_through_a_plain_twin(model, model_factory, input_shape)
+    compiled = getattr(model, "_dtk_compiled", None) or {}
+    for attr, (cls, config) in (compiled.get("attributes") or {}).items():
+        setattr(model, attr, cls.from_config(dict(config)))  # bound by the compile below
+    if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
+        cls, config = compiled["optimizer"]
+        # Through tf_keras.Model.compile: a model with its own compile() signature (keras.io's
+        # Distiller) keeps the attributes its compile() set in the factory (losses, alpha).
+        model.compile(optimizer=cls.from_config(dict(config)), loss=compiled["loss"],
+                      metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
+                      _dtk_keras_compile=True)
+    return model
+
+
+def prepare(model: tf_keras.Model, mesh: dtensor.Mesh, *, seed: int = 0,
+            remat: Sequence[str] = (), fsdp: bool = False, gradient_accumulation_steps: int = 1,
+            shard_optimizer_state: bool | str = "auto", batch_axis: str = BATCH_AXIS,
+            sparse_tables: bool = False) -> tf_keras.Model:
+    """Gives a laid-out model ``distribute``'s options (remat, the sharded update, sparse
+    tables, gradient accumulation) and its seams (``on_mesh``); ``distribute`` and
+    ``dtk.Trainer`` (which builds the model itself, to keep its layout plan) call it."""
+    remat_layers = dtk_remat.apply(model, remat) if remat else []
+    if remat_layers:
+        _log.info("remat: %s recompute their activations in the backward pass",
+                  ", ".join(remat_layers))
+    on_mesh(model, mesh, batch_axis=batch_axis, seed=seed)
+    model._dtk_mesh_state.remat_layers = remat_layers  # pylint: disable=protected-access
     if shard_optimizer_state == "auto":
-        shard_optimizer_state = not fsdp and auto_shard_optimizer_state(
+        shard_optimizer_state = not fsdp and mesh_optimizer.auto_shard_optimizer_state(
             model.trainable_variables, mesh, batch_axis)
     if shard_optimizer_state:
         model._dtk_mesh_state.sharded = mesh_optimizer.ShardedUpdate(mesh, batch_axis)  # pylint: disable=protected-access
@@ -190,17 +216,6 @@ def distribute(model_factory: Callable[[], tf_keras.Model], mesh: dtensor.Mesh, 
                 f"{type(model).__name__} has its own train_step, which dtk cannot split into "
                 "microbatches; accumulate in it, or drop gradient_accumulation_steps")
         model._dtk_mesh_state.accumulation = gradient_accumulation_steps  # pylint: disable=protected-access
-    _save_through_a_plain_twin(model, model_factory, input_shape)
-    compiled = getattr(model, "_dtk_compiled", None) or {}
-    for attr, (cls, config) in (compiled.get("attributes") or {}).items():
-        setattr(model, attr, cls.from_config(dict(config)))  # bound by the compile below
-    if compiled.get("optimizer") is not None:  # the factory compiled it: the same, on the mesh
-        cls, config = compiled["optimizer"]
-        # Through tf_keras.Model.compile: a model with its own compile() signature (keras.io's
-        # Distiller) keeps the attributes its compile() set in the factory (losses, alpha).
-        model.compile(optimizer=cls.from_config(dict(config)), loss=compiled["loss"],
-                      metrics=compiled["metrics"], loss_weights=compiled["loss_weights"],
-                      _dtk_keras_compile=True)
     return model
 
 
@@ -365,6 +380,7 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
 
         setattr(model, name, types.MethodType(checked, model))
     _eager_calls_on_mesh(model, mesh)
+    _metrics_on_batch_sharded_labels(model, state)
     model.make_train_function = types.MethodType(_maker("train_step", "train_function"), model)
     model.make_test_function = types.MethodType(_maker("test_step", "test_function"), model)
     model.make_predict_function = types.MethodType(
@@ -614,8 +630,8 @@ def _maker(step_name: str, attr: str) -> Callable:
                     return step(data)
             if step_name == "predict_step":  # outputs to the host whole, on every client
                 return tf.nest.map_structure(
-                    lambda t: dtensor.relayout(t, dtensor.Layout.replicated(
-                        state.mesh, t.shape.rank)) if isinstance(t, tf.Tensor) else t, step(data))
+                    lambda t: _replicated(t, state) if isinstance(t, tf.Tensor) else t,
+                    step(data))
             return step(data)
 
         def traced_body(data):
@@ -679,6 +695,18 @@ def _maker(step_name: str, attr: str) -> Callable:
     return make
 
 
+def _replicated(tensor: tf.Tensor, state: MeshState) -> tf.Tensor:
+    """``tensor`` replicated on the mesh, its other axes gathered before the batch axis: one
+    relayout of an output sharded on two axes (the LM's logits: batch, and the vocabulary
+    over ``model``) is lowered by DTensor with a reshape of the wrong size."""
+    rank = tensor.shape.rank
+    if rank and state.batch_axis in state.mesh.dim_names and len(state.mesh.dim_names) > 1 \
+            and tensor.shape[0] is not None and not tensor.shape[0] % state.size:
+        tensor = dtensor.relayout(tensor, dtensor.Layout.batch_sharded(
+            state.mesh, state.batch_axis, rank))
+    return dtensor.relayout(tensor, dtensor.Layout.replicated(state.mesh, rank))
+
+
 def _accumulated_train_step(model: tf_keras.Model, state: MeshState, data: Any) -> Any:
     """Keras's ``train_step`` over ``state.accumulation`` microbatches: each device's rows viewed
     as ``[rows / k, k]``, microbatch ``j`` their column ``j`` (no example moves between devices),
@@ -719,11 +747,32 @@ def _accumulated_train_step(model: tf_keras.Model, state: MeshState, data: Any) 
                 loss = model.compute_loss(xj, yj, y_pred, wj)
         model._validate_target_and_loss(yj, loss)  # pylint: disable=protected-access
         grads = tape.gradient(loss, variables)
+        # (an Embedding's IndexedSlices: summed dense, as the optimizer applies them)
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads)]
         model.compute_metrics(xj, yj, y_pred, wj)
     model.optimizer.apply_gradients(
         (g / k, v) for g, v in zip(total, variables) if g is not None)
     return model.get_metrics_result()
+
+
+def _metrics_on_batch_sharded_labels(model: tf_keras.Model, state: MeshState) -> None:
+    """Keras's ``compute_metrics`` on labels laid out on the batch axis only: labels sharded
+    along the sequence too (``InputConfig(sequence_axis=...)``) make the metrics' broadcasts
+    of the sample weights fail in DTensor's SPMD expansion. (A no-op on a one-axis mesh.)"""
+    mesh, axis = state.mesh, state.batch_axis
+    if len(mesh.dim_names) == 1:
+        return
+    original = model.compute_metrics
+
+    def compute_metrics(x, y, y_pred, sample_weight):
+        if not tf.executing_eagerly():
+            y = tf.nest.map_structure(
+                lambda t: dtensor.relayout(t, dtensor.Layout.batch_sharded(mesh, axis, t.shape.rank))
+                if isinstance(t, tf.Tensor) and t.shape.rank and t.shape.rank >= 2 else t, y)
+        return original(x, y, y_pred, sample_weight)
+
+    model.compute_metrics = compute_metrics
 
 
 def _eager_calls_on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh) -> None:

@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import tf_keras
+from tensorflow.experimental import dtensor
+
+from dtk.parallel.mesh import BATCH_AXIS
 
 # Losses that compare a prediction with a target of the same shape: class ids (one number per
 # example) against a vector of class scores is the mistake of compiling a classifier with them.
@@ -123,3 +126,25 @@ def example_count(value: Any) -> int | None:
         if isinstance(leaf, tf.Tensor) and leaf.shape.rank and leaf.shape[0] is not None:
             return int(leaf.shape[0])
     return None
+
+
+def check_accumulation(global_batch_size: int, mesh: dtensor.Mesh, steps: int,
+                       batch_axis: str = BATCH_AXIS) -> None:
+    """Gradient accumulation over ``steps`` microbatches needs each device's share of the batch
+    to split evenly.
+
+    Raises:
+      ValueError: naming the batch, the axis and its size, and the values that would work.
+    """
+    if steps == 1:
+        return
+    size = mesh.dim_size(batch_axis) if batch_axis in mesh.dim_names else 1
+    per_device = global_batch_size // size
+    if per_device % steps:
+        good = [k for k in range(1, per_device + 1) if per_device % k == 0]
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} (--grad_accum) does not divide the per-device "
+            f"batch: global batch {global_batch_size} over mesh axis {batch_axis!r} (size {size}) "
+            f"is {per_device} examples per device. Use a divisor of {per_device} "
+            f"({', '.join(map(str, good[:8]))}{' ...' if len(good) > 8 else ''}) or change "
+            "--global_batch_size")

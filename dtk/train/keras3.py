@@ -611,7 +611,7 @@ def _check_one_key(distribution, path: str) -> None:
 def _add_slot(self, reference_variable, name=None, initializer="zeros"):
     """``Optimizer.add_variable_from_reference`` on the mesh: a slot (Adam's moments, ...)
     takes its weight's layout, plus the batch axis on the first dim it divides when the weight
-    is large enough (dtk's sharded update, ``dtk.train.steps.update_layout``: each device keeps
+    is large enough (dtk's sharded update, ``dtk.train.mesh_optimizer.update_layout``: each device keeps
     and updates 1/N of the state, and the weight is all-gathered from the updated slices; the
     numbers are the update in place's, elementwise)."""
     original = _ENABLED["add_variable_from_reference"]
@@ -620,10 +620,10 @@ def _add_slot(self, reference_variable, name=None, initializer="zeros"):
     if layout is None or distribution is None or \
             getattr(distribution, "_dtk_shard_optimizer_state", True) is False:
         return original(self, reference_variable, name=name, initializer=initializer)
-    from dtk.train import steps  # pylint: disable=g-import-not-at-top
+    from dtk.train import mesh_optimizer  # pylint: disable=g-import-not-at-top
     state = _mesh_state(distribution)
     with tf.init_scope():
-        target = steps.update_layout(reference_variable._value, state.mesh, state.batch_axis)  # pylint: disable=protected-access
+        target = mesh_optimizer.update_layout(reference_variable._value, state.mesh, state.batch_axis)  # pylint: disable=protected-access
     kept = reference_variable._layout  # pylint: disable=protected-access
     reference_variable._layout = target  # pylint: disable=protected-access
     try:

@@ -68,6 +68,7 @@ class EpochIterator:
         self._epochs = epochs
         self._batches = None
         self._pending: list = []  # the rest of a stack a shorter call did not take
+        self._epoch, self._done, self._stack = 0, 0, 1  # the epoch, its batches taken, per item
 
     def __iter__(self):
         return self
@@ -90,8 +91,19 @@ class EpochIterator:
             if epochs.training:
                 epoch = state.start_epoch + epochs.ended
                 skip, state.skip_batches = state.skip_batches, 0
+            self._epoch, self._done, self._stack = epoch, skip, count if stack else 1
             self._batches = epochs.dataset.keras_batches(
-                epoch, skip_batches=skip, steps_per_call=count if stack else 1)
+                epoch, skip_batches=skip, steps_per_call=self._stack)
+        elif stack and count > 1 and count != self._stack and not self._pending and \
+                self._epochs.training and self._done % count == 0 and \
+                not getattr(self._epochs.state, "aligning", False):
+            # The count changed for the rest of the epoch (steps_per_execution="auto" decided):
+            # the stream is stacked again from here, so that the next epochs' calls find their
+            # compiled loop traced (and the calls of this one run as one loop, not one by one).
+            self.close()
+            self._stack = count
+            self._batches = self._epochs.dataset.keras_batches(
+                self._epoch, skip_batches=self._done, steps_per_call=count)
         pieces, have = [], 0
         while have < count:
             if self._pending:
@@ -110,6 +122,7 @@ class EpochIterator:
                 n, data = k, (batch_of(data, 0) if k == 1 else batch_of(data, 0, k))
             pieces.append((n, data))
             have += n
+        self._done += have
         return pieces
 
     def close(self) -> None:

@@ -55,6 +55,7 @@ class MeshState:
         # step's gradients of its lookups and the touched rows' changes, inside the trace.
         self.sparse_mode = False
         self.auto_steps = False  # compile(steps_per_execution="auto"): dtk.train.auto_steps
+        self.aligning = False  # its one shorter call after the choice (the stacks line up after)
         self.sparse: Any = None
         self.sparse_pending: Any = None
         self.sparse_changes: Any = None

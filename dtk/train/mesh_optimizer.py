@@ -21,7 +21,46 @@ from tensorflow.experimental import dtensor
 from dtk.parallel import fsdp
 from dtk.train.mesh_calls import MeshState
 from dtk.train.optimizers import check_supported, keep_ema_on_mesh
-from dtk.train.steps import update_layout
+from dtk.parallel.layouts import sharded_update_dims
+
+
+def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layout:
+    """The layout of a weight's optimizer state under ``shard_optimizer_state``.
+
+    The weight's own layout, plus ``batch_axis`` on the first unsharded dim that the axis size
+    divides (``layouts.sharded_update_dims``); unchanged (the weight updated in place,
+    replicated over the axis) when no dim qualifies, e.g. a bias of 10 on ``batch=8``, or when
+    the weight has fewer than ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device. Example
+    on ``batch=4,model=2``: kernel ``[784, 128]`` laid out ``[unsharded, model]`` gets
+    ``[batch, model]``: each device updates a 196 x 64 slice.
+    """
+    layout = dtensor.fetch_layout(variable)
+    if batch_axis not in mesh.dim_names:
+        return layout
+    dims = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
+    dims = sharded_update_dims(dims, variable.shape, batch_axis,
+                               {name: mesh.dim_size(name) for name in mesh.dim_names})
+    return dtensor.Layout([d or dtensor.UNSHARDED for d in dims], mesh)
+
+
+def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -> bool:
+    """The ``shard_optimizer_state="auto"`` rule: shard when it shards something.
+
+    On when ``batch_axis`` has more than one device and at least one weight has a dim that the
+    sharded update splits over it (``update_layout`` differs from the weight's layout); off on
+    ``batch=1`` meshes and for models whose weights are all too small or already sharded there.
+    Only the weights it splits get the sharded update; the rest are updated in place.
+    The same rule in one process and across clients: a 2-client group killed mid-run, or while
+    saving, resumes to the losses of one uninterrupted process
+    (``tests/test_launch.py::test_restart_resumes_from_checkpoint``).
+    Measured (BUILD.md, "Benchmarks"): faster than the replicated update on the MLP, the heavy
+    MLP and the language model, with the split weights' optimizer memory per device divided
+    by the axis size.
+    """
+    if batch_axis not in mesh.dim_names or mesh.dim_size(batch_axis) < 2:
+        return False
+    return any(update_layout(v, mesh, batch_axis).sharding_specs
+               != dtensor.fetch_layout(v).sharding_specs for v in variables)
 
 
 def storage(variable: Any) -> Any:
@@ -97,7 +136,7 @@ def mesh_updates(optimizer: tf_keras.optimizers.Optimizer,
       get zero gradient; Adam's moments decay on every row either way, as Keras's dense path
       does).
     * With ``sharded`` (ZeRO-style, ``distribute(shard_optimizer_state=...)``): the weights that
-      ``dtk.train.steps.update_layout`` splits are updated through a copy sharded over the batch
+      ``dtk.train.mesh_optimizer.update_layout`` splits are updated through a copy sharded over the batch
       axis (see ``ShardedUpdate``).
     * An FSDP weight is updated where it is stored (its shards).
     """

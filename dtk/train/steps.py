@@ -38,9 +38,10 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from dtk.parallel import fsdp, materialize, ops, randomness, remat
-from dtk.parallel.layouts import sharded_update_dims
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train import sparse as sparse_lib
+from dtk.train.input_checks import check_accumulation  # noqa: F401  (dtk.steps's name)
+from dtk.train.mesh_optimizer import auto_shard_optimizer_state, update_layout
 from dtk.train.optimizers import make_loss, make_metrics, make_optimizer
 
 _log = logging.getLogger("dtk")
@@ -104,67 +105,6 @@ class StepConfig:
         if not isinstance(self.steps_per_execution, int) or self.steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive integer; got "
                              f"{self.steps_per_execution!r}")
-
-
-def update_layout(variable, mesh: dtensor.Mesh, batch_axis: str) -> dtensor.Layout:
-    """The layout of a weight's optimizer state under ``shard_optimizer_state``.
-
-    The weight's own layout, plus ``batch_axis`` on the first unsharded dim that the axis size
-    divides (``layouts.sharded_update_dims``); unchanged (the weight updated in place,
-    replicated over the axis) when no dim qualifies, e.g. a bias of 10 on ``batch=8``, or when
-    the weight has fewer than ``layouts.SHARDED_UPDATE_MIN_ELEMENTS`` elements a device. Example
-    on ``batch=4,model=2``: kernel ``[784, 128]`` laid out ``[unsharded, model]`` gets
-    ``[batch, model]``: each device updates a 196 x 64 slice.
-    """
-    layout = dtensor.fetch_layout(variable)
-    if batch_axis not in mesh.dim_names:
-        return layout
-    dims = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
-    dims = sharded_update_dims(dims, variable.shape, batch_axis,
-                               {name: mesh.dim_size(name) for name in mesh.dim_names})
-    return dtensor.Layout([d or dtensor.UNSHARDED for d in dims], mesh)
-
-
-def auto_shard_optimizer_state(variables, mesh: dtensor.Mesh, batch_axis: str) -> bool:
-    """The ``shard_optimizer_state="auto"`` rule: shard when it shards something.
-
-    On when ``batch_axis`` has more than one device and at least one weight has a dim that the
-    sharded update splits over it (``update_layout`` differs from the weight's layout); off on
-    ``batch=1`` meshes and for models whose weights are all too small or already sharded there.
-    Only the weights it splits get the sharded update; the rest are updated in place.
-    The same rule in one process and across clients: a 2-client group killed mid-run, or while
-    saving, resumes to the losses of one uninterrupted process
-    (``tests/test_launch.py::test_restart_resumes_from_checkpoint``).
-    Measured (BUILD.md, "Benchmarks"): faster than the replicated update on the MLP, the heavy
-    MLP and the language model, with the split weights' optimizer memory per device divided
-    by the axis size.
-    """
-    if batch_axis not in mesh.dim_names or mesh.dim_size(batch_axis) < 2:
-        return False
-    return any(update_layout(v, mesh, batch_axis).sharding_specs
-               != dtensor.fetch_layout(v).sharding_specs for v in variables)
-
-
-def check_accumulation(global_batch_size: int, mesh: dtensor.Mesh, steps: int,
-                       batch_axis: str = BATCH_AXIS) -> None:
-    """Gradient accumulation over ``steps`` microbatches needs each device's share of the batch
-    to split evenly.
-
-    Raises:
-      ValueError: naming the batch, the axis and its size, and the values that would work.
-    """
-    if steps == 1:
-        return
-    size = mesh.dim_size(batch_axis) if batch_axis in mesh.dim_names else 1
-    per_device = global_batch_size // size
-    if per_device % steps:
-        good = [k for k in range(1, per_device + 1) if per_device % k == 0]
-        raise ValueError(
-            f"gradient_accumulation_steps={steps} (--grad_accum) does not divide the per-device "
-            f"batch: global batch {global_batch_size} over mesh axis {batch_axis!r} (size {size}) "
-            f"is {per_device} examples per device. Use a divisor of {per_device} "
-            f"({', '.join(map(str, good[:8]))}{' ...' if len(good) > 8 else ''}) or change "
-            "--global_batch_size")
 
 
 def _function(fn: Callable, *, jit_compile: bool, reduce_retracing: bool = False) -> Callable:
