@@ -35,7 +35,6 @@ import tensorflow as tf  # noqa: E402
 
 if os.environ.get("MC_SKEW_AUTO"):
     from dtk.train import auto_steps as _auto_steps
-    from dtk.train import trainer as _trainer_lib
     _observe = _auto_steps.AutoSteps.observe
 
     def _skewed(self, seconds, steps, steps_per_epoch):
@@ -43,7 +42,7 @@ if os.environ.get("MC_SKEW_AUTO"):
         return _observe(self, seconds * skew, steps, steps_per_epoch)
 
     _auto_steps.AutoSteps.observe = _skewed
-    _trainer_lib.AUTO_MIN_STEPS = _auto_steps.AUTO_MIN_STEPS = 1  # calibrate even in this short run
+    _auto_steps.AUTO_MIN_STEPS = 1  # calibrate even in this short run
 
 mesh = dtk.build_mesh(os.environ.get("MC_MESH", "batch=8"), device_type="cpu")
 rng = np.random.default_rng(0)
