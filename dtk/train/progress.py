@@ -191,18 +191,16 @@ class ProgressCallback(tf_keras.callbacks.Callback):
         logs = logs if logs is not None else {}
         if self.validation_examples is not None and "val_loss" in logs:
             logs["val_examples"] = self.validation_examples  # (later callbacks see it too)
-        results = self._checked({k: v for k, v in logs.items() if not k.startswith("val_")})
+        self._checked({k: v for k, v in logs.items() if not k.startswith("val_")})
         self._close_window()
         per_epoch = self._steps_per_epoch()
         done = (self._last + 1) if self._last is not None else per_epoch
-        stopped = done < per_epoch
-        if stopped:
-            self.partial = _numbers(logs)
+        values = _numbers(logs)
         note = ""
-        if stopped:
+        if done < per_epoch:  # stopped inside the epoch (max_steps, a callback)
+            self.partial = values
             note = (f" (stopped at max_steps={self.max_steps})" if self.max_steps is not None
                     else " (stopped)")
-        values = _numbers(logs)
         if self._progbar is not None:  # (a count of examples is no average: in the logs only)
             self._progbar.stateful_metrics.update(values)
             self._progbar.update(done, [(k, v) for k, v in values.items()
@@ -215,7 +213,6 @@ class ProgressCallback(tf_keras.callbacks.Callback):
                               for k, v in values.items())
             _log.info("epoch %d/%d - %s%s", epoch + 1, (self.params or {}).get("epochs"),
                       text, note)
-        del results
         if self._writer is not None:
             with self._writer.as_default():
                 for key, value in values.items():
