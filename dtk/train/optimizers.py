@@ -283,6 +283,16 @@ def make_metrics(metrics: Sequence[MetricLike] | MetricLike | None, mesh: dtenso
     return made
 
 
+def keras_loss(loss: Any) -> Any:
+    """A loss given to dtk (the Trainer, ``Steps``), for Keras's ``compile()``: dtk's names
+    are losses on logits (``dtk.make_loss``); a ``reduction="none"`` loss is refused (a step
+    needs one number)."""
+    make_loss(loss)  # validates: a known name, a reduction, a callable
+    if isinstance(loss, str):
+        return LOSSES[loss.strip().lower()]()
+    return loss
+
+
 def _is_keras_wrapper(value: Any) -> bool:
     """Keras's tracked containers (``_DictWrapper``, ``ListWrapper``): what ``model.loss`` holds
     after ``compile(loss={...})``."""

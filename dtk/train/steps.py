@@ -42,7 +42,7 @@ from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train import sparse as sparse_lib
 from dtk.train.input_checks import check_accumulation  # noqa: F401  (dtk.steps's name)
 from dtk.train.mesh_optimizer import auto_shard_optimizer_state, update_layout
-from dtk.train.optimizers import make_loss, make_metrics, make_optimizer
+from dtk.train.optimizers import keras_loss, make_loss, make_metrics, make_optimizer
 
 _log = logging.getLogger("dtk")
 
@@ -179,14 +179,6 @@ def overridden_steps(model: tf_keras.Model) -> tuple[str, ...]:
     "Customizing what happens in fit()"): dtk then runs the model's own step on the mesh."""
     return tuple(name for name in ("train_step", "test_step")
                  if getattr(type(model), name, None) is not getattr(tf_keras.Model, name))
-
-
-def _keras_loss(loss: Any) -> Any:
-    """A loss for ``Model.compile`` with dtk's meaning (dtk's names are logit losses)."""
-    from dtk.train.optimizers import LOSSES  # pylint: disable=g-import-not-at-top
-    if isinstance(loss, str) and loss.strip().lower() in LOSSES:
-        return LOSSES[loss.strip().lower()]()
-    return loss
 
 
 _LOOPS = itertools.count()
@@ -394,7 +386,7 @@ class Steps:
                     f"gradients and update); {' and '.join(refused)} would change that step. "
                     "Drop them for this model (steps_per_execution=1, no accumulation, no FSDP), "
                     "or move the custom logic into call()/add_loss() and use dtk's step")
-        model.compile(optimizer=self.optimizer, loss=_keras_loss(loss), metrics=self.metrics)
+        model.compile(optimizer=self.optimizer, loss=keras_loss(loss), metrics=self.metrics)
         _log.info("dtk runs %s's own %s on the mesh", name, " and ".join(self.custom))
 
     def _custom_train_body(self, batch):

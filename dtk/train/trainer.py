@@ -662,22 +662,13 @@ def _compiled_or_given(model, mesh, *, loss, optimizer, metrics) -> dict[str, An
         else:
             chosen[name] = _DEFAULTS[name]
             if name == "loss":
-                chosen[name] = _keras_loss(chosen[name])
+                chosen[name] = optimizers_lib.keras_loss(chosen[name])
     if given["loss"] is not None:
-        chosen["loss"] = _keras_loss(given["loss"])
+        chosen["loss"] = optimizers_lib.keras_loss(given["loss"])
     if given["metrics"] is not None or compiled.get("optimizer") is None:
         chosen["metrics"] = optimizers_lib.make_metrics(chosen["metrics"], mesh)  # dtk's names
     chosen["optimizer"] = optimizers_lib.make_optimizer(chosen["optimizer"], mesh)
     return chosen
-
-
-def _keras_loss(loss: Any) -> Any:
-    """A loss given to the Trainer, for ``compile()``: dtk's names are losses on logits
-    (``dtk.make_loss``); a ``reduction="none"`` loss is refused (a step needs one number)."""
-    optimizers_lib.make_loss(loss)  # validates: a known name, a reduction, a callable
-    if isinstance(loss, str):
-        return optimizers_lib.LOSSES[loss.strip().lower()]()
-    return loss
 
 
 def _check_compiled_loss(loss: Any) -> None:
