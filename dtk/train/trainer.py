@@ -528,6 +528,14 @@ class Trainer:
 
     def _step_failure(self, error: tf.errors.OpError, progress: ProgressCallback) -> ValueError:
         """A failed step as one ``ValueError`` naming the epoch, the step and the likely cause."""
+        if isinstance(error, tf.errors.CancelledError):
+            # A step enqueued after the failed one reports only its cancellation; the executor
+            # may still hold the first error.
+            try:
+                context.async_wait()
+            except tf.errors.OpError as first:
+                if not isinstance(first, tf.errors.CancelledError):
+                    error = first
         context.async_clear_error()  # else every later DTensor call in the process fails
         unsupported = op_support.explain_failure(str(error), self.model)
         if unsupported:
