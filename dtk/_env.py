@@ -331,7 +331,7 @@ def path_problem(path: str, *, kind: str) -> str | None:
 
 
 # Keys of the planner's cache file (dtk.planning.planner): what makes a file dtk's own.
-PLAN_CACHE_KEY_PREFIXES = ("machine/", "step/")
+PLAN_CACHE_KEY_PREFIXES = ("machine/", "step/", "keras-step/")
 
 
 def _check_plan_cache(path: str) -> None:

@@ -470,7 +470,7 @@ def setup_output(*, verbose: bool) -> None:
 # The library's advice names the call that changes a setting; a script's user reads the flag that
 # does it (when the running script defines that flag).
 ADVICE_FLAGS = {
-    "StepConfig(sparse_tables=True)": "--sparse_tables",
+    "TrainerConfig(sparse_tables=True)": "--sparse_tables",
     "TrainerConfig(allow_change=...)": "--allow_change",
     "TrainerConfig(restart_from_scratch=True)": "--restart_from_scratch",
 }

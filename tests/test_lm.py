@@ -77,8 +77,10 @@ def test_lm_parity_with_one_device(spec, opt_name, shard, monkeypatch):
     steps = dtk.Steps(model, loss="sparse_categorical_crossentropy",
                       optimizer=_optimizer(opt_name, mesh), mesh=mesh,
                       config=dtk.StepConfig(shard_optimizer_state=shard))
-    split = steps._split  # pylint: disable=protected-access
-    assert not shard or mesh.dim_size("batch") == 1 or any(split)
+    sharded = model._dtk_mesh_state.sharded  # pylint: disable=protected-access
+    assert steps.shard_optimizer_state == shard
+    assert not shard or mesh.dim_size("batch") == 1 or any(
+        sharded.entry(v) is not None for v in model.trainable_variables)
     x, y = _data()
     losses = [float(steps.train(input_lib.pack(mesh, (x[i], y[i], np.ones(B, np.float32)))))
               for i in range(N)]

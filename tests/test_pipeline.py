@@ -281,7 +281,7 @@ def _restored(spec, directory, *, stages: bool):
         opt = _adam(mesh)
         one = dtk.Steps(model, loss="sparse_categorical_crossentropy", mesh=mesh, optimizer=opt,
                         config=dtk.StepConfig(shard_optimizer_state=False))
-        opt.build(model.trainable_variables)
+        opt = one.optimizer  # (the one Keras's compiled step updates)
 
         def train(x, y):
             return float(one.train(input_lib.pack(mesh, (x, y, np.ones(len(x), np.float32)))))
@@ -295,15 +295,18 @@ def _restored(spec, directory, *, stages: bool):
 def _values(model, opt) -> dict:
     """Every variable of ``tf.train.Checkpoint(model, optimizer)`` by its checkpoint key."""
     from dtk.train import checkpoint  # pylint: disable=import-outside-toplevel
-    out = {}
-
-    def walk(obj, prefix):
+    out, seen = {}, set()
+    # Breadth first, as TensorFlow's checkpoint names a variable: by its shortest path (a
+    # compiled model's optimizer is reached as "optimizer/...", not "model/optimizer/...").
+    queue = [(tf.train.Checkpoint(model=model, optimizer=opt), "")]
+    while queue:
+        obj, prefix = queue.pop(0)
         for name, child in tf.train.TrackableView(obj).children(obj).items():
             if isinstance(child, tf.Variable):
                 out.setdefault(id(child), (f"{prefix}{name}", child))
-            else:
-                walk(child, f"{prefix}{name}/")
-    walk(tf.train.Checkpoint(model=model, optimizer=opt), "")
+            elif id(child) not in seen:
+                seen.add(id(child))
+                queue.append((child, f"{prefix}{name}/"))
     return {key: checkpoint.global_value(v) for key, v in out.values()}
 
 

@@ -248,7 +248,7 @@ def test_train_mnist_mesh_auto_trains_and_caches_its_calibration(tmp_path):
     assert got["auto_plan"]["chosen"] in line[0]
     assert got["mesh"] in line[0]
     keys = json.loads(cache.read_text())
-    assert "machine/CPU:8" in keys and any(k.startswith("step/CPU:8/") for k in keys)
+    assert "machine/CPU:8" in keys and any(k.startswith("keras-step/CPU:8/") for k in keys)
     # A second run reads the cache: it measures nothing and chooses the same plan.
     before = cache.stat().st_mtime_ns
     res = subprocess.run(args + ["--mesh", "auto", "--explain_plan"], env=env,

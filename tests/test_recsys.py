@@ -376,7 +376,8 @@ def test_the_dense_update_says_why_and_what_it_costs(caplog, monkeypatch):
                   optimizer=tf_keras.optimizers.SGD(0.1, momentum=0.9, mesh=mesh))
     assert ("Embedding 'table0': its table [64, 8] is sharded on its rows over axis 'model' (2 "
             "blocks); its gradient and optimizer update are dense (the default): ") in caplog.text
-    assert "StepConfig(sparse_tables=True) updates the touched rows only" in caplog.text
+    assert ("TrainerConfig(sparse_tables=True) (dtk.distribute's sparse_tables=True) updates the "
+            "touched rows only") in caplog.text
 
 
 @pytest.mark.parametrize("sparse", [False, True])

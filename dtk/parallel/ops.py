@@ -908,8 +908,8 @@ def warn_dense_table_update(layer: tf_keras.layers.Embedding, why: str) -> None:
         "Embedding %r: its table [%d, %d] is sharded on its rows over axis %r (%d blocks); its "
         "gradient and optimizer update are dense (%s): every step reads and writes all %d rows "
         "of each device's block (%.1f MiB of weights, and the optimizer's slots as much again "
-        "each) whatever ids the batch holds. StepConfig(sparse_tables=True) updates the "
-        "touched rows only (SGD, Adagrad; Adam as lazy Adam), in a step time flat in the "
+        "each) whatever ids the batch holds. TrainerConfig(sparse_tables=True) (dtk.distribute's "
+        "sparse_tables=True) updates the touched rows only (SGD, Adagrad; Adam as lazy Adam), in a step time flat in the "
         "table's size", layer.name, rows, dim, layout.sharding_specs[0], shards, why, rows // shards, block)
 
 

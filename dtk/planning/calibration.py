@@ -153,11 +153,11 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
     calibration never holds more than that candidate's memory per device.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     from dtk.train import steps  # pylint: disable=g-import-not-at-top
     path = cache or cache_path()
-    key = (f"step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
+    # ("keras-step": timed on Keras's compiled step; a "step/" entry timed dtk's own, before 0.3)
+    key = (f"keras-step/{device_type}:{devices}/{profile.signature}/{table.name}/{batch}/"
            f"{json.dumps([str(loss), str(optimizer), list(remat_patterns)])}"
            f"{'/on ' + on.label if on is not None else ''}")
     cached = _cached(path, key, refresh)
@@ -198,7 +198,7 @@ def calibrate_step(model_factory, *, profile: ModelProfile, table, machine: Mach
                                                    gradient_accumulation_steps=k))
         packed = _random_batch(rng, mesh, rows, input_shape, input_dtype, num_classes,
                                model.output_shape)
-        return lambda: float(tf.reduce_sum(step.train(packed)))
+        return lambda: float(step.train(packed, reset_metrics=False))
 
     variants = {"half": lambda: step_fn(half)}
     if remat_patterns:
@@ -257,7 +257,6 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
     """
     import gc  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from dtk.parallel import layouts, materialize, mesh as mesh_lib  # pylint: disable=g-import-not-at-top
     from dtk.train import steps  # pylint: disable=g-import-not-at-top
     mesh = mesh_lib.build_mesh(on.mesh, device_type=device_type)
@@ -287,7 +286,8 @@ def _calibrate_on(on: Candidate, *, model_factory, profile: ModelProfile, table,
                 packed = _random_batch(rng, mesh, rows, input_shape, input_dtype, num_classes,
                                        model.output_shape)
                 # Few calls: each step of a model that needs sharding is long.
-                out.append(alternating_ms([lambda: float(tf.reduce_sum(step.train(packed)))],
+                out.append(alternating_ms([lambda s=step, p=packed: float(
+                    s.train(p, reset_metrics=False))],
                                           rounds=2, warmup=1)[0])
                 del packed
             return out

@@ -120,7 +120,7 @@ def options(table: Table, sizes: dict[str, int], *, global_batch_size: int, look
       global_batch_size: examples per step.
       lookups: ids looked up in the table per example.
       optimizer_slots: the optimizer's state per weight (Adam 2, Adagrad 1, SGD 0).
-      sparse: sharded tables updated sparsely (``StepConfig(sparse_tables=True)``).
+      sparse: sharded tables updated sparsely (``TrainerConfig(sparse_tables=True)``).
     """
     _check_counts(global_batch_size=global_batch_size, lookups=lookups)
     if isinstance(optimizer_slots, bool) or not isinstance(optimizer_slots, int) or \

@@ -55,7 +55,7 @@ from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.data.input import DistributedDataset
 from dtk.train import custom_loops, host_inputs, input_checks, keras_data, mesh_optimizer
 from dtk.train.callbacks import CheckpointCallback
-from dtk.train.mesh_calls import MeshCalls, MeshState, next_batches
+from dtk.train.mesh_calls import MeshCalls, MeshState, convert_user_step, next_batches
 from dtk.train.optimizers import make_metric
 
 _log = logging.getLogger("dtk")
@@ -306,13 +306,16 @@ def on_mesh(model: tf_keras.Model, mesh: dtensor.Mesh, *, batch_axis: str = BATC
             tuner = getattr(self, "_steps_per_execution_tuner", None)  # steps_per_execution="auto"
             if tuner is not None:
                 tuner._steps_per_execution = self._steps_per_execution  # pylint: disable=protected-access
-        if state.sparse_mode:  # the tables' own update, beside the compiled optimizer's
-            from dtk.train import sparse  # pylint: disable=g-import-not-at-top
-            state.sparse, _ = sparse.choose(
-                self, self.optimizer, True, batch_axis=state.batch_axis,
-                accumulation=state.accumulation, custom_step=_overrides(self, "train_step"))
-            if state.sparse is not None:
-                mesh_optimizer.sparse_gradients(self.optimizer, state)
+        from dtk.train import sparse  # pylint: disable=g-import-not-at-top
+        # The tables' own update, beside the compiled optimizer's (sparse_tables=True), or the
+        # dense update's cost, said for each table sharded on its rows.
+        state.sparse, why_dense = sparse.choose(
+            self, self.optimizer, state.sparse_mode, batch_axis=state.batch_axis,
+            accumulation=state.accumulation, custom_step=_overrides(self, "train_step"))
+        if state.sparse is not None:
+            mesh_optimizer.sparse_gradients(self.optimizer, state)
+        for layer in sparse.tables_of(self) if state.sparse is None else ():
+            ops.warn_dense_table_update(layer, why_dense)
         self.train_function = self.test_function = self.predict_function = None
 
     model.compile = types.MethodType(compile, model)
@@ -613,6 +616,8 @@ def _maker(step_name: str, attr: str) -> Callable:
             return getattr(self, attr)
         state = self._dtk_mesh_state  # pylint: disable=protected-access
         step = getattr(self, step_name)
+        if _overrides(self, step_name):  # (the model's own: converted as Keras's fit would)
+            step = convert_user_step(step)
         if step_name == "train_step" and state.accumulation > 1:
             step = functools.partial(_accumulated_train_step, self, state)
         training = step_name == "train_step"
@@ -623,11 +628,15 @@ def _maker(step_name: str, attr: str) -> Callable:
                 state.sparse.start_recording()
                 with randomness.step_scope(iterations.read_value()), \
                         randomness.step_draws(state.generator):
-                    return step(data), state.sparse_changes
+                    logs = step(data)
+                _warn_uncovered_random_ops(state)
+                return logs, state.sparse_changes
             if training and iterations is not None:
                 with randomness.step_scope(iterations.read_value()), \
                         randomness.step_draws(state.generator):
-                    return step(data)
+                    logs = step(data)
+                _warn_uncovered_random_ops(state)
+                return logs
             if step_name == "predict_step":  # outputs to the host whole, on every client
                 return tf.nest.map_structure(
                     lambda t: _replicated(t, state) if isinstance(t, tf.Tensor) else t,
@@ -646,7 +655,7 @@ def _maker(step_name: str, attr: str) -> Callable:
         # never one of an unknown size: dtk's mesh-invariant draws (Dropout) and gradient
         # accumulation need the batch's static size (a relaxed trace fell back to Keras's own
         # draws, which depend on the mesh, for the last partial batch).
-        calls = MeshCalls(traced_body, state, reduce_retracing=not training)
+        calls = MeshCalls(traced_body, state, reduce_retracing=not training, autograph=False)
         traced_with = getattr(self, "optimizer", None)
 
         def function(iterator):
@@ -689,10 +698,28 @@ def _maker(step_name: str, attr: str) -> Callable:
                 return tf.nest.map_structure(lambda *t: tf.concat(t, axis=0), *outputs)
             return calls(next_batches(iterator, per_call))
 
+        function.calls = calls  # (its traces: dtk.Steps.trace_counts)
         setattr(self, attr, function)
         return function
 
     return make
+
+
+def _warn_uncovered_random_ops(state: MeshState) -> None:
+    """Once per model: random ops of the traced train step that ``dtk.parallel.randomness`` did
+    not build (a layer calling ``tf.random.*`` itself, ``RandomContrast``) draw per device, so
+    their values depend on the mesh: named in a warning."""
+    if state.random_ops_checked:
+        return
+    state.random_ops_checked = True
+    found = randomness.uncovered_random_ops(tf.compat.v1.get_default_graph())
+    if found:
+        where = "; ".join(f"{scope} ({', '.join(types)})" for scope, types in found.items())
+        _log.warning(
+            "random ops not covered by dtk.parallel.randomness: %s. Their values depend on the "
+            "mesh (each device draws with its own seed), so training with them does not match "
+            "one device; draw through the layer's self._random_generator (a tf_keras "
+            "BaseRandomLayer) to get mesh-independent values", where)
 
 
 def _replicated(tensor: tf.Tensor, state: MeshState) -> tf.Tensor:

@@ -131,6 +131,18 @@ class EpochIterator:
             self._batches.close()
 
 
+class OneItem(EpochIterator):
+    """What a compiled call reads (``take``) when it is given one item ``(n, data)`` directly,
+    not an epoch: ``dtk.Steps`` calls Keras's compiled functions so, one packed batch
+    (``n`` = 1) or one stack of ``n`` at a time."""
+
+    def __init__(self, item: tuple[int, Any]):  # pylint: disable=super-init-not-called
+        self._item = item
+
+    def take(self, count: int, *, stack: bool = True) -> list[tuple[int, Any]]:  # pylint: disable=unused-argument
+        return [self._item]
+
+
 class DistributedDatasetAdapter(data_adapter.DataAdapter):
     """Keras's adapter for a ``DistributedDataset`` given to a ``dtk.distribute`` model."""
 

@@ -14,6 +14,9 @@ batch replicated, each client packing its own rows) and several steps per call a
 
 from __future__ import annotations
 
+import itertools
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,8 @@ from dtk.data.input import pack
 from dtk.parallel import ops
 from dtk.train import host_inputs
 from dtk.keras_check import require_keras2
+
+_log = logging.getLogger("dtk")
 
 
 _DTENSOR_REFUSALS = (tf.errors.UnknownError, tf.errors.UnimplementedError,
@@ -59,6 +64,7 @@ class MeshState:
         self.sparse: Any = None
         self.sparse_pending: Any = None
         self.sparse_changes: Any = None
+        self.random_ops_checked = False  # the train step's uncovered random ops named, once
 
     def end_fit(self) -> None:
         self.skip_batches = 0
@@ -209,6 +215,42 @@ def next_batches(iterator: Any, count: int) -> list:
     return batches
 
 
+def user_code_autograph():
+    """Marks AutoGraph as enabled for the user code that a step compiled with
+    ``MeshCalls(autograph=False)`` calls.
+
+    AutoGraph rewrites a function's source before tracing: converting dtk's own step wrappers
+    (five functions, no Python control flow on tensors) cost about 1.3 s of a 1.8 s first
+    ``fit`` of the MNIST MLP, once per compiled function. Keras converts a subclassed layer's
+    ``call``, a function loss and a metric's ``update_state`` only when the AutoGraph status is
+    enabled, so the step runs under that status: user code is converted as under Keras's own
+    ``tf.function``, dtk's code, like Keras's, is not. (A model's own ``train_step`` is
+    converted by the caller: ``convert_user_step``.)
+    """
+    from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=g-import-not-at-top
+    return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
+
+
+def convert_user_step(step: Callable) -> Callable:
+    """A model's own ``train_step``/``test_step``/``predict_step``, converted by AutoGraph as
+    Keras's ``tf.function`` converts it (its Python ``if``/``for`` on tensors become graph
+    control flow) for a step compiled with ``MeshCalls(autograph=False)``."""
+    return tf.__internal__.autograph.tf_convert(step, user_code_autograph())
+
+
+# DTensor's SPMD compilation outlines control flow into functions named after the op
+# ('dtk_steps_12_body', 'while6_cond') and registers them in the process's eager context. When
+# DTensor compiles a step function a second time (its cache key changed: a small integer input it
+# folded as a constant on the first call changed), the second compilation can bring a function
+# of the same name with other contents, and the call fails before it runs (seen about once per
+# full suite, BUILD.md): nothing has run, so tracing again (new loop names) and calling again
+# is safe.
+_STALE_FUNCTION = re.compile(r"Cannot add function '([^']+)' because a different function with "
+                             r"the same name already exists")
+_STALE_RETRIES = 2
+_LOOPS = itertools.count()  # a loop name no other loop of the process has
+
+
 @tf.autograph.experimental.do_not_convert
 class MeshCalls:
     """A Keras step (``body``: a batch on the mesh -> its logs) compiled for the mesh, called on
@@ -222,15 +264,17 @@ class MeshCalls:
     """
 
     def __init__(self, body: Callable, state: "MeshState", *, reduce_retracing: bool,
-                 local: bool = False):
+                 local: bool = False, autograph: bool = True):
         self.state, self.local = state, local
         step = body
 
         def body(data):  # pylint: disable=function-redefined
             ops.constants_on_mesh(state.mesh)
-            return step(data)
+            if autograph:
+                return step(data)
+            with user_code_autograph():
+                return step(data)
 
-        self.traced = tf.function(body, reduce_retracing=reduce_retracing)
         self._logs_layouts: list = []
 
         def many_body(stack):
@@ -246,10 +290,35 @@ class MeshCalls:
                     lambda t: None if t is None else tf.gather(t, i), stack)
                 return i + 1, body(data)
 
-            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros))[1]
+            return tf.while_loop(lambda i, _: i < n, loop, (tf.constant(0), zeros),
+                                 name=f"dtk_steps_{next(_LOOPS)}")[1]
 
-        self.traced_many = tf.function(many_body, reduce_retracing=False)
+        def make() -> None:
+            self.traced = tf.function(body, reduce_retracing=reduce_retracing,
+                                      autograph=autograph)
+            self.traced_many = tf.function(many_body, reduce_retracing=False,
+                                           autograph=autograph)
+
+        self._make = make
+        make()
         self._fresh = True
+
+    def _retrying(self, name: str, arg: Any) -> Any:
+        """``self.<name>(arg)``, made again (a fresh trace) and called again when the call fails
+        on a stale DTensor function name (``_STALE_FUNCTION``); other errors propagate."""
+        retries = 0
+        while True:
+            try:
+                return getattr(self, name)(arg)
+            except tf.errors.InvalidArgumentError as e:
+                found = _STALE_FUNCTION.search(str(e))
+                if found is None or retries == _STALE_RETRIES:
+                    raise
+                retries += 1
+                tf.experimental.async_clear_error()
+                _log.info("DTensor could not register function %r of a recompiled step (a name "
+                          "from an earlier compilation); tracing the step again", found.group(1))
+                self._make()
 
     def _remember_layouts(self, outputs) -> None:
         """The one-step call's logs, as the loop's starting values: all DTensors, else several
@@ -270,7 +339,8 @@ class MeshCalls:
         if len(datas) > 1 and not self._fresh and self._logs_layouts[0] is not None:
             stacked = state.stackable(datas, local=self.local)
             if stacked > 1:
-                outputs = self.traced_many(state.pack_stack(datas[:stacked], local=self.local))
+                outputs = self._retrying("traced_many", state.pack_stack(datas[:stacked],
+                                                                         local=self.local))
                 datas = datas[stacked:]
         for data in datas:
             outputs = self._one(state.pack(data, local=self.local))
@@ -294,19 +364,20 @@ class MeshCalls:
                 for i in range(start, n):
                     outputs = self._one(batch_of(data, i))
             elif start < n:
-                outputs = self.traced_many(data if start == 0 else batch_of(data, start, n))
+                outputs = self._retrying("traced_many",
+                                         data if start == 0 else batch_of(data, start, n))
         return outputs
 
     def _one(self, batch: Any) -> Any:
         """One step on one batch on the mesh."""
         if self.traced.experimental_get_tracing_count() and not self._fresh:
-            return self.traced(batch)
+            return self._retrying("traced", batch)
         # Variables Keras makes in the first trace (metrics' state, built on first use) are
         # made on the mesh, replicated: one not on it computes wrong values there. (Only
         # then: the scope costs about a millisecond a call.)
         with dtensor.default_mesh(self.state.mesh):
             try:
-                outputs = self.traced(batch)
+                outputs = self._retrying("traced", batch)
             except _DTENSOR_REFUSALS as e:  # DTensor expands the step before it runs
                 message = ops.explain_failure(e, graph=self.traced.get_concrete_function(
                     batch).graph)

@@ -37,7 +37,62 @@ from dtk.data import input as input_lib
 from dtk.parallel import pipeline, randomness
 from dtk.parallel.mesh import BATCH_AXIS
 from dtk.train.optimizers import make_loss, make_optimizer
-from dtk.train.steps import normalized_loss, weighted_loss
+
+
+def _output_mask(predictions: Any, losses: tf.Tensor) -> tf.Tensor | None:
+    """The Keras mask a model's (single) output carries, as float32 of the losses' shape; None
+    when it carries none."""
+    mask = getattr(predictions, "_keras_mask", None)
+    if mask is None:
+        return None
+    mask = tf.cast(mask, tf.float32)
+    if mask.shape.rank != losses.shape.rank:
+        raise ValueError(
+            f"the model's output mask has shape {mask.shape} but its per-element losses "
+            f"{losses.shape}; Keras weights each loss element by the mask, so they must match "
+            "(e.g. a per-token loss [batch, time] for a mask [batch, time])")
+    return mask
+
+
+def weighted_loss(loss_fn, labels, predictions, weights, examples=None):
+    """The batch's weighted loss sum and what it is divided by, Keras's way: the count of
+    real examples (``examples``, else the 0/1 ``weights``), not the sample weights' sum;
+    with an output mask, the count of unmasked elements of real examples."""
+    # Like Keras's LossFunctionWrapper: AutoGraph converts a user's loss function, not Keras's.
+    converted = tf.__internal__.autograph.tf_convert(
+        loss_fn, tf.__internal__.autograph.control_status_ctx())
+    per_example = converted(labels, predictions)
+    if per_example.shape.rank == 0:
+        raise ValueError(
+            f"the loss function {getattr(loss_fn, '__name__', loss_fn)!r} returned a "
+            "scalar; dtk needs per-example losses (shape [batch]) to weight padding and "
+            "normalize by the global batch. Return the unreduced losses (e.g. no "
+            "tf.reduce_mean at the end), or pass a tf_keras.losses.Loss")
+    per_example = tf.cast(per_example, tf.float32)
+    mask = _output_mask(predictions, per_example)
+    if mask is not None:
+        # As Keras's Loss with an output mask (Embedding(mask_zero=True), compute_mask): the
+        # mean over the unmasked elements of the real examples, sum(loss * mask) /
+        # sum(mask), not over every element.
+        shape = [-1] + [1] * (per_example.shape.rank - 1)
+        rows = tf.reshape(weights, shape)
+        real = rows if examples is None else tf.reshape(examples, shape)
+        return (tf.reduce_sum(per_example * mask * rows),
+                tf.reduce_sum(mask * real), mask)
+    if per_example.shape.rank != 1:
+        per_example = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
+        per_example = tf.reduce_mean(per_example, axis=1)
+    count = tf.reduce_sum(weights if examples is None else examples)
+    total = tf.reduce_sum(per_example * weights)
+    return total, count, None
+
+
+def normalized_loss(loss_fn, total, count):
+    """The batch loss from its weighted sum: the mean over real examples (``count``), or the
+    sum itself for a loss with ``reduction="sum"`` (make_loss)."""
+    if getattr(loss_fn, "sum_over_batch", False):
+        return total
+    return tf.math.divide_no_nan(total, count)
 
 
 def _is_local(mesh: dtensor.Mesh) -> bool:

@@ -31,9 +31,9 @@ The optimizers, with the table's own hyperparameters taken from the model's opti
 * ``Adam`` becomes lazy Adam (TorchRec's and TensorFlow Addons' choice): a touched row's moments
   and weights are updated with the global step's bias correction; an untouched row's moments do
   not decay. Not the numbers of dense Adam, which moves every row with an old gradient every
-  step: asked for explicitly (``StepConfig(sparse_tables=True)``), never by default.
+  step: asked for explicitly (``TrainerConfig(sparse_tables=True)``), never by default.
 
-Asked for with ``StepConfig(sparse_tables=True)``.
+Asked for with ``TrainerConfig(sparse_tables=True)``.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class SparseTables:
                 raise ValueError(
                     f"Embedding {table.layer.name!r} was not called in the forward pass, so its "
                     "sparse update has no rows; call every table, or pass "
-                    "StepConfig(sparse_tables=False)")
+                    "TrainerConfig(sparse_tables=False)")
             out.append(pairs)
             table.layer._dtk_lookups = None  # pylint: disable=protected-access
         return out
