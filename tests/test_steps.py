@@ -311,3 +311,30 @@ def test_a_stale_dtensor_function_name_retraces_the_step(failures, other, calls,
     else:
         assert compiled._retrying("traced", 1) == 2  # pylint: disable=protected-access
     assert len(called) == calls and len(made) == calls
+
+
+class _OwnStep(tf_keras.Sequential):
+    """A model with its own train_step (keras.io's "Customizing what happens in fit()")."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("make", ["Trainer", "Steps"])
+def test_accumulation_with_a_models_own_train_step_is_one_clear_error(make):
+    """Both fronts refuse, with one message, what would change a model's own train_step."""
+    mesh = dtk.build_mesh("batch=8")
+
+    def factory():
+        return _OwnStep([tf_keras.layers.Flatten(input_shape=(28, 28, 1)),
+                         tf_keras.layers.Dense(10)])
+    match = (r"model _OwnStep overrides train_step, .*gradient_accumulation_steps > 1 would "
+             r"change that step. Drop them for this model")
+    with pytest.raises(ValueError, match=match):
+        if make == "Trainer":
+            dtk.Trainer(mesh=mesh, model=factory, config=dtk.TrainerConfig(
+                verbose=0, gradient_accumulation_steps=2))
+        else:
+            model, _ = layouts.build_model(factory, mesh, "data_parallel", seed=0)
+            dtk.Steps(model, loss="sparse_categorical_crossentropy", optimizer="sgd", mesh=mesh,
+                      config=dtk.StepConfig(gradient_accumulation_steps=2))

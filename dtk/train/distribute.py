@@ -219,6 +219,27 @@ def prepare(model: tf_keras.Model, mesh: dtensor.Mesh, *, seed: int = 0,
     return model
 
 
+def check_own_train_step(model: tf_keras.Model, *, gradient_accumulation_steps: int) -> bool:
+    """Refuses what would change a model's own ``train_step`` (it applies its gradients itself):
+    gradient accumulation and FSDP weights. Returns whether the model has FSDP weights.
+
+    Raises:
+      ValueError: naming the model, what it asked for and the fix.
+    """
+    built_fsdp = any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
+                     for v in model.trainable_variables)
+    refused = [what for what, on in (
+        ("gradient_accumulation_steps > 1", gradient_accumulation_steps > 1),
+        ("FSDP", built_fsdp)) if on]
+    if _overrides(model, "train_step") and refused:
+        raise ValueError(
+            f"model {type(model).__name__} overrides train_step, which dtk runs as written (its "
+            f"own gradients and update); {' and '.join(refused)} would change that step. Drop "
+            "them for this model (no accumulation, no FSDP), or move the custom logic into "
+            "call()/add_loss() and use Keras's step")
+    return built_fsdp
+
+
 def _save_through_a_plain_twin(model: tf_keras.Model, model_factory: Callable,
                                input_shape: Sequence[int] | None) -> None:
     """``model.save(path)`` on a model with sharded weights writes a plain twin

@@ -36,7 +36,6 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from dtk.parallel import fsdp
 from dtk.parallel.mesh import BATCH_AXIS, as_mesh, check_batch_axis
 from dtk.train import distribute as distribute_lib
 from dtk.train import keras_data
@@ -125,18 +124,9 @@ class Steps:
         mesh = as_mesh(mesh, "mesh")
         check_batch_axis(mesh, config.batch_axis, what="StepConfig.batch_axis")
         self.model, self.mesh, self.config = model, mesh, config
+        built_fsdp = distribute_lib.check_own_train_step(
+            model, gradient_accumulation_steps=config.gradient_accumulation_steps)
         custom = distribute_lib._overrides(model, "train_step")  # pylint: disable=protected-access
-        built_fsdp = any(isinstance(getattr(v, "_variable", v), fsdp.GatheredVariable)
-                         for v in model.trainable_variables)
-        refused = [what for what, on in (
-            ("gradient_accumulation_steps > 1", config.gradient_accumulation_steps > 1),
-            ("FSDP", built_fsdp)) if on]
-        if custom and refused:
-            raise ValueError(
-                f"model {type(model).__name__} overrides train_step, which dtk runs as written "
-                f"(its own gradients and update); {' and '.join(refused)} would change that "
-                "step. Drop them for this model, or move the custom logic into "
-                "call()/add_loss() and use Keras's step")
         distribute_lib.prepare(
             model, mesh, remat=tuple(config.remat), fsdp=built_fsdp,
             gradient_accumulation_steps=config.gradient_accumulation_steps,

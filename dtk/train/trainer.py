@@ -40,7 +40,6 @@ from tensorflow.python.eager import context
 from dtk.train import checkpoint as ckpt_lib
 from dtk.cluster import env as cluster
 from dtk.errors import first_line
-from dtk.parallel import fsdp as fsdp_lib
 from dtk.parallel import layouts as layouts_lib
 from dtk.parallel import mesh as mesh_lib
 from dtk.parallel import ops as op_support
@@ -307,18 +306,9 @@ class Trainer:
             checksum = float(sum(float(dtensor.unpack(tf.reduce_sum(tf.cast(
                 w.read_value(), tf.float64)))[0]) for w in self.model.weights))
             mesh_lib.check_same_on_all_clients(mesh, checksum, what="the initial weights' checksum")
-        fsdp_built = any(isinstance(getattr(v, "_variable", v), fsdp_lib.GatheredVariable)
-                         for v in self.model.trainable_variables)
+        fsdp_built = distribute_lib.check_own_train_step(
+            self.model, gradient_accumulation_steps=config.gradient_accumulation_steps)
         custom = distribute_lib._overrides(self.model, "train_step")  # pylint: disable=protected-access
-        if custom and (config.gradient_accumulation_steps > 1 or fsdp_built):
-            refused = " and ".join(what for what, on in (
-                ("gradient_accumulation_steps > 1", config.gradient_accumulation_steps > 1),
-                ("FSDP", fsdp_built)) if on)
-            raise ValueError(
-                f"model {type(self.model).__name__} overrides train_step, which dtk runs as "
-                f"written (its own gradients and update); {refused} would change that step. "
-                "Drop them for this model (no accumulation, no FSDP), or move the custom logic "
-                "into call()/add_loss() and use Keras's step")
         distribute_lib.prepare(
             self.model, mesh, seed=config.seed, remat=tuple(config.remat),
             fsdp=config.fsdp or fsdp_built,
